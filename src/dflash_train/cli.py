@@ -1,0 +1,294 @@
+"""`dflash-train` command line. Each command parses arguments and hands off to
+the module that owns the concern; heavy imports happen inside the command so
+`--help` stays fast. User mistakes (ConfigError, UserError) print one clear
+line and exit 2, never a traceback."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Train DFlash speculative-decoding drafters: online/offline, safe stop/resume/deploy, eval, export.",
+    pretty_exceptions_enable=False,
+)
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed without a traceback, exit 2."""
+
+
+class NotBuilt(UserError):
+    pass
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def _guard(fn):
+    from dflash_train.config import ConfigError
+
+    try:
+        return fn()
+    except (ConfigError, UserError) as e:
+        _fail(str(e))
+    except FileNotFoundError as e:
+        _fail(f"file not found: {e.filename or e}")
+
+
+def _not_built(name: str) -> None:
+    _fail(f"'{name}' is not built yet in this version of dflash-train", 2)
+
+
+# --------------------------------------------------------------------------- train
+
+
+@app.command()
+def train(
+    overrides: List[str] = typer.Argument(None, help="section.key=value overrides, e.g. train.max_steps=100"),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file"),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default runs/<name>)"),
+    resume: str = typer.Option("auto", "--resume", help="auto | never | PATH to a checkpoint"),
+):
+    """Train a drafter (online pipeline, or from precomputed features)."""
+
+    def go():
+        from dflash_train.config import load_config
+        from dflash_train.train.run import run_training
+
+        cfg = load_config(config, overrides or [])
+        rd = run_dir or Path("runs") / cfg.name
+        code = run_training(cfg, rd, resume=resume, argv=sys.argv)
+        raise typer.Exit(code)
+
+    _guard(go)
+
+
+@app.command()
+def demo(
+    overrides: List[str] = typer.Argument(None, help="section.key=value overrides"),
+    config: Path = typer.Option(Path("configs/cpu-demo.yaml"), "--config", "-c"),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir"),
+):
+    """The main job on the embedded default: prepare data, train, eval, export, report."""
+
+    def go():
+        from dflash_train.config import load_config
+        from dflash_train.demo import run_demo
+
+        cfg = load_config(config, overrides or [])
+        raise typer.Exit(run_demo(cfg, run_dir or Path("runs") / cfg.name))
+
+    _guard(go)
+
+
+# --------------------------------------------------------------------------- data
+
+
+@app.command("prepare-data")
+def prepare_data(
+    overrides: List[str] = typer.Argument(None),
+    config: Optional[Path] = typer.Option(None, "--config", "-c"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output dir (default: data.cache_dir/<hash>)"),
+):
+    """Tokenise + template + loss-mask once into a cached dataset on disk."""
+
+    def go():
+        from dflash_train.config import load_config
+        from dflash_train.data.prepare import prepare_command
+
+        prepare_command(load_config(config, overrides or []), out)
+
+    _guard(go)
+
+
+@app.command()
+def regenerate(
+    overrides: List[str] = typer.Argument(None),
+    config: Optional[Path] = typer.Option(None, "--config", "-c"),
+    out: Path = typer.Option(..., "--out", help="JSONL of conversations with regenerated assistant turns"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    batch_size: int = typer.Option(8, "--batch-size"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+):
+    """Rewrite assistant turns with the target itself (greedy, batched, resumable)."""
+
+    def go():
+        from dflash_train.config import load_config
+        from dflash_train.data.regenerate import regenerate_command
+
+        regenerate_command(load_config(config, overrides or []), out, max_new_tokens, batch_size, temperature)
+
+    _guard(go)
+
+
+@app.command()
+def precompute(
+    overrides: List[str] = typer.Argument(None),
+    config: Optional[Path] = typer.Option(None, "--config", "-c"),
+    out: Path = typer.Option(..., "--out", help="directory for sharded safetensors + index"),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32"),
+    rows_per_shard: int = typer.Option(256, "--rows-per-shard"),
+):
+    """Capture target hidden states to disk for offline training."""
+
+    def go():
+        from dflash_train.config import load_config
+        from dflash_train.pipeline.precompute import precompute_command
+
+        precompute_command(load_config(config, overrides or []), out, dtype, rows_per_shard)
+
+    _guard(go)
+
+
+# --------------------------------------------------------------------------- eval / export
+
+
+@app.command("eval")
+def eval_(
+    drafter: Path = typer.Option(..., "--drafter", help="RUN_DIR | checkpoint dir | export dir"),
+    target: Optional[str] = typer.Option(None, "--target", help="target path (default: the run's)"),
+    prompts: str = typer.Option("heldout", "--prompts", help="JSONL file of {'prompt': ...} or 'heldout'"),
+    num_prompts: int = typer.Option(8, "--num-prompts"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    seed: int = typer.Option(0, "--seed"),
+    untrained: bool = typer.Option(False, "--untrained", help="same drafter shape, fresh random init"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+):
+    """Acceptance length (tau) by real speculative decoding against the target."""
+
+    def go():
+        from dflash_train.eval.command import eval_command
+
+        eval_command(drafter, target, prompts, num_prompts, max_new_tokens, temperature, seed, untrained, as_json)
+
+    _guard(go)
+
+
+@app.command()
+def export(
+    source: Path = typer.Argument(..., help="RUN_DIR or checkpoint dir"),
+    out: Path = typer.Option(..., "--out"),
+    force: bool = typer.Option(False, "--force", help="overwrite a non-empty output dir"),
+):
+    """Write config.json + model.safetensors for SGLang / vLLM / the dflash package."""
+
+    def go():
+        from dflash_train.export import export_command
+
+        export_command(source, out, force)
+
+    _guard(go)
+
+
+# --------------------------------------------------------------------------- operations
+
+
+Via = typer.Option(None, "--via", help="hop: ssh://user@host[:port] | pct:CTID | docker:NAME | kubectl:[NS/]POD (repeatable)")
+
+
+@app.command()
+def status(
+    run_dir: Path = typer.Argument(...),
+    via: Optional[List[str]] = Via,
+    as_json: bool = typer.Option(False, "--json"),
+):
+    """Is the run live? pid (verified), step, tok/s, last checkpoint, code version."""
+
+    def go():
+        from dflash_train.control.commands import status_command
+
+        raise typer.Exit(status_command(run_dir, via or [], as_json))
+
+    _guard(go)
+
+
+@app.command()
+def stop(
+    run_dir: Path = typer.Argument(...),
+    via: Optional[List[str]] = Via,
+    timeout: float = typer.Option(120.0, "--timeout"),
+    signal_name: str = typer.Option("INT", "--signal", help="INT | TERM"),
+    force: bool = typer.Option(False, "--force", help="SIGKILL after the timeout"),
+):
+    """Gracefully stop a running job and confirm its checkpoint."""
+
+    def go():
+        from dflash_train.control.commands import stop_command
+
+        raise typer.Exit(stop_command(run_dir, via or [], timeout, signal_name, force))
+
+    _guard(go)
+
+
+@app.command()
+def deploy(
+    run_dir: Path = typer.Argument(...),
+    code: str = typer.Option(..., "--code", help="directory or git ref of the new code"),
+    via: Optional[List[str]] = Via,
+    dry_run: bool = typer.Option(False, "--dry-run", help="preflight only"),
+    as_json: bool = typer.Option(False, "--json"),
+    health_steps: int = typer.Option(3, "--health-steps"),
+    health_timeout: float = typer.Option(300.0, "--health-timeout"),
+    min_speed: float = typer.Option(0.5, "--min-speed", help="fraction of baseline tok/s"),
+    stop_timeout: float = typer.Option(120.0, "--stop-timeout"),
+):
+    """Swap the code of a running job: preflight, stop, switch, restart, health check, rollback."""
+
+    def go():
+        from dflash_train.deploy.command import deploy_command
+
+        raise typer.Exit(
+            deploy_command(run_dir, code, via or [], dry_run, as_json, health_steps, health_timeout, min_speed, stop_timeout)
+        )
+
+    _guard(go)
+
+
+@app.command()
+def profile(
+    run_dir: Path = typer.Argument(...),
+    seconds: float = typer.Option(10.0, "--seconds"),
+    out: Optional[Path] = typer.Option(None, "--out"),
+):
+    """py-spy profile (flamegraph SVG + top functions) of the running job."""
+
+    def go():
+        from dflash_train.control.profile import profile_command
+
+        raise typer.Exit(profile_command(run_dir, seconds, out))
+
+    _guard(go)
+
+
+@app.command()
+def bench(
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+    shape: str = typer.Option("small", "--shape", help="small | 8b"),
+    out: Optional[Path] = typer.Option(None, "--out"),
+    steps: int = typer.Option(3, "--steps"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 | bfloat16 (default: bf16 on cuda)"),
+):
+    """Throughput and MFU against this machine's measured matmul peak."""
+
+    def go():
+        from dflash_train.bench import bench_command
+
+        bench_command(device, shape, out, steps, dtype)
+
+    _guard(go)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
