@@ -36,14 +36,15 @@ def _guard(fn):
 
     try:
         return fn()
+    except ModuleNotFoundError as e:
+        # a command whose implementation module is absent is "not built", never a silent no-op
+        if (e.name or "").startswith("dflash_train"):
+            _fail(f"this command is not built yet in this version of dflash-train (missing {e.name})", 2)
+        raise
     except (ConfigError, UserError) as e:
         _fail(str(e))
     except FileNotFoundError as e:
         _fail(f"file not found: {e.filename or e}")
-
-
-def _not_built(name: str) -> None:
-    _fail(f"'{name}' is not built yet in this version of dflash-train", 2)
 
 
 # --------------------------------------------------------------------------- train
@@ -60,9 +61,10 @@ def train(
 
     def go():
         from dflash_train.config import load_config
-        from dflash_train.train.run import run_training
 
         cfg = load_config(config, overrides or [])
+        from dflash_train.train.run import run_training
+
         rd = run_dir or Path("runs") / cfg.name
         code = run_training(cfg, rd, resume=resume, argv=sys.argv)
         raise typer.Exit(code)

@@ -1,0 +1,83 @@
+"""The strict config schema: round trip, overrides, and every error path."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_train.config import ConfigError, RunConfig, load_config, save_config
+
+
+def test_defaults_round_trip(tmp_path: Path):
+    cfg = load_config()
+    out = tmp_path / "config.yaml"
+    save_config(cfg, out)
+    again = load_config(out)
+    assert again == cfg
+    assert again.hash() == cfg.hash()
+
+
+def test_yaml_and_overrides(tmp_path: Path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"name": "x", "train": {"lr": 1e-3, "max_steps": 5}}))
+    cfg = load_config(f, ["train.max_steps=7", "model.num_layers=3", "data.source=jsonl:/tmp/a.jsonl",
+                          "model.target_layer_ids=[1,2,3]", "checkpoint.async_save=false"])
+    assert cfg.name == "x"
+    assert cfg.train.lr == 1e-3 and cfg.train.max_steps == 7
+    assert cfg.model.num_layers == 3 and cfg.model.target_layer_ids == [1, 2, 3]
+    assert cfg.data.source == "jsonl:/tmp/a.jsonl"
+    assert cfg.checkpoint.async_save is False
+
+
+def test_required_names_exist():
+    cfg = RunConfig()
+    for dotted in ["train.max_steps", "train.lr", "train.batch_size", "train.num_anchors", "train.seed",
+                   "model.num_layers", "model.block_size", "target.path", "data.source", "data.limit",
+                   "data.max_tokens", "checkpoint.every_steps", "checkpoint.keep_last", "eval.every_steps",
+                   "eval.num_prompts", "logging.every_steps"]:
+        sec, key = dotted.split(".")
+        assert hasattr(getattr(cfg, sec), key), dotted
+
+
+def test_unknown_key_suggests_closest(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"unknown key 'train.max_step'.*did you mean 'max_steps'"):
+        load_config(None, ["train.max_step=3"])
+    f = tmp_path / "c.yaml"
+    f.write_text("trian:\n  lr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'trian'.*did you mean 'train'"):
+        load_config(f)
+    with pytest.raises(ConfigError, match=r"unknown key 'model.num_layer'.*'num_layers'"):
+        load_config(None, ["model.num_layer.x=3"])
+
+
+def test_wrong_type_and_range():
+    with pytest.raises(ConfigError, match=r"train.max_steps"):
+        load_config(None, ["train.max_steps=abc"])
+    with pytest.raises(ConfigError, match=r"train.lr.*greater than 0"):
+        load_config(None, ["train.lr=-1"])
+    with pytest.raises(ConfigError, match=r"data.source"):
+        load_config(None, ["data.source=ftp://x"])
+    with pytest.raises(ConfigError, match=r"sliding_window"):
+        load_config(None, ["model.layer_types=[sliding_attention]"])
+
+
+def test_bad_files(tmp_path: Path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(lst)
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["trainlr"])
+
+
+def test_shipped_configs_validate():
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.glob("*.yaml"))
+    assert files, "no shipped configs"
+    for f in files:
+        load_config(f)
