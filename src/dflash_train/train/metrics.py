@@ -1,0 +1,137 @@
+"""Where metrics go: RUN_DIR/metrics.jsonl (full-precision floats), TensorBoard,
+and a rich progress bar on a terminal (plain lines otherwise)."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("dflash_train")
+
+
+def setup_logging(run_dir: Path, rank: int = 0) -> None:
+    """Console + RUN_DIR/logs/train.log (rank-suffixed under torchrun)."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    name = "train.log" if rank == 0 else f"train.rank{rank}.log"
+    root = logging.getLogger("dflash_train")
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+    fh = logging.FileHandler(logs / name)
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    if rank == 0:
+        sh = logging.StreamHandler(sys.stderr)
+        sh.setFormatter(fmt)
+        root.addHandler(sh)
+    root.propagate = False
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)  # "nan"/"inf" stay visible without breaking JSON
+    return v
+
+
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """On resume: drop lines logged after the checkpoint's step (they will be produced again)."""
+    if not path.exists():
+        return 0
+    keep, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if rec.get("step", 0) <= last_step:
+            keep.append(line)
+        else:
+            dropped += 1
+    from dflash_train.utils import atomic_write_text
+
+    atomic_write_text(path, "".join(l + "\n" for l in keep))
+    return dropped
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, max_steps: int, start_step: int, tensorboard: bool, progress: str,
+                 enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._f = open(self.path, "a", buffering=1) if enabled else None
+        self._tb = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(run_dir / "logs" / "tensorboard"), purge_step=start_step + 1)
+            except Exception as e:  # noqa: BLE001 - TensorBoard is optional at run time
+                log.warning("TensorBoard disabled: %s", e)
+        mode = progress
+        if mode == "auto":
+            mode = "rich" if sys.stderr.isatty() and os.environ.get("TERM") != "dumb" else "plain"
+        self.mode = mode if enabled else "none"
+        self._progress = None
+        self._task = None
+        self.max_steps = max_steps
+        if self.mode == "rich":
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=max_steps, completed=start_step, info="")
+        self._t0 = time.time()
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        step = record["step"]
+        if self._tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k.replace(".", "/"), v, step)
+                elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+                    for i, x in enumerate(v):
+                        self._tb.add_scalar(f"{k}/{i + 1}", x, step)
+            self._tb.flush()
+        line = self.summary_line(record)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=line)
+        elif self.mode == "plain":
+            print(f"step {step}/{self.max_steps} {line}", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def summary_line(r: dict[str, Any]) -> str:
+        parts = []
+        for key, fmt in [("loss", "loss {:.4f}"), ("acc_1", "acc1 {:.3f}"), ("expected_tau", "E[tau] {:.2f}"),
+                         ("tau", "tau {:.2f}"), ("tokens_per_s", "{:.0f} tok/s"), ("lr", "lr {:.2e}"),
+                         ("queue_occupancy", "q {:.2f}")]:
+            if key in r and isinstance(r[key], (int, float)):
+                parts.append(fmt.format(r[key]))
+        return " | ".join(parts)
+
+    def advance(self, step: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        if self._f is not None:
+            self._f.close()

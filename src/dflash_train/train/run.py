@@ -1,0 +1,457 @@
+"""`dflash-train train`: set up a run directory, build target / data / drafter,
+resume, run the loop, stop safely.
+
+Single process (CPU or one GPU) runs the threaded pipeline in-process. Under
+torchrun the ranks take roles (train/distributed.py): target ranks serve
+batches, trainer ranks run this loop with DDP.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_train.config import RunConfig, save_config
+from dflash_train.utils import code_version, resolve_device
+
+log = logging.getLogger("dflash_train")
+
+STATE_FORMAT = 1
+
+
+class TrainError(RuntimeError):
+    """A run cannot start or continue for a reason the user can act on."""
+
+
+@dataclass
+class TrainState:
+    """Everything besides module/optimizer tensors that a bit-exact resume needs."""
+
+    step: int = 0
+    tokens: int = 0
+    samples: int = 0
+    blocks: int = 0
+    consecutive_skips: int = 0
+    skipped_total: int = 0
+    best_tau: float | None = None
+    order_state: dict[str, Any] = field(default_factory=dict)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def vocab_subset_from_rows(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The k most frequent supervised tokens (ties broken by id): a deterministic
+    function of the training rows, so it needs no checkpointing."""
+    if k <= 0:
+        return None
+    sup = input_ids[loss_mask.bool()]
+    counts = torch.bincount(sup, minlength=int(input_ids.max()) + 1)
+    k = min(k, int((counts > 0).sum()))
+    # stable: sort by (-count, id)
+    order = torch.argsort(-counts.double() + torch.arange(len(counts), dtype=torch.double) / (len(counts) + 1))
+    return torch.sort(order[:k]).values
+
+
+def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list[str] | None = None) -> int:
+    from dflash_train.train import distributed as dd
+
+    ctx = dd.DistContext.from_env(cfg)
+    try:
+        if ctx.is_target_rank:
+            return dd.serve_target_rank(cfg, Path(run_dir), ctx)
+        return Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx).run()
+    finally:
+        ctx.shutdown()
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: str, argv: list[str], ctx) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.resume_arg = resume
+        self.argv = argv
+        self.ctx = ctx
+        self.is_leader = ctx.is_leader
+        self.state = TrainState()
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_run_dir(self) -> None:
+        from dflash_train.control.run_record import RunDirBusy, RunRecord
+        from dflash_train.train.metrics import setup_logging
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "checkpoints").mkdir(exist_ok=True)
+        setup_logging(self.run_dir, self.ctx.rank)
+        self.record = None
+        if self.is_leader:
+            self.record = RunRecord(self.run_dir)
+            try:
+                self.record.acquire(argv=self.argv, code_version=code_version(), config_hash=self.cfg.hash())
+            except RunDirBusy as e:
+                raise TrainError(str(e)) from None
+            save_config(self.cfg, self.run_dir / "config.yaml")
+        log.info("run dir %s, code %s, config %s", self.run_dir, code_version(), self.cfg.hash())
+
+    def _build(self) -> None:
+        from dflash_train.data import load_prepared
+        from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
+        from dflash_train.target import load_target
+
+        cfg = self.cfg
+        self.device = self.ctx.trainer_device(resolve_device(cfg.train.device))
+        seed_everything(cfg.train.seed)
+        t0 = time.perf_counter()
+        self.target = load_target(cfg.target, device=self.ctx.target_device(self.device))
+        log.info("target %s loaded in %.1fs: %d layers, hidden %d, vocab %d, mask token %d",
+                 cfg.target.path, time.perf_counter() - t0, self.target.num_layers, self.target.hidden_size,
+                 self.target.vocab_size, self.target.mask_token_id)
+        self.drafter_cfg = DrafterConfig.from_target(cfg.model, self.target)
+        torch.manual_seed(cfg.train.seed)
+        self.drafter = DFlashDrafter(self.drafter_cfg).to(self.device)
+        n_params = sum(p.numel() for p in self.drafter.parameters())
+        log.info("drafter: %d layers, %.1fM params, target layers %s, block size %d",
+                 self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
+                 self.drafter_cfg.block_size)
+        self.data = load_prepared(cfg, self.target.tokenizer, self.target.family)
+        log.info("data: %s", self.data.stats)
+        rows = (self.data.input_ids, self.data.loss_mask, self.data.document_ids)
+        self.vocab_subset = vocab_subset_from_rows(self.data.input_ids, self.data.loss_mask, cfg.train.vocab_subset)
+        if self.vocab_subset is not None:
+            self.vocab_subset = self.vocab_subset.to(self.device)
+        self.rows = rows
+        decay, no_decay = [], []
+        for name, p in self.drafter.named_parameters():
+            (no_decay if p.ndim < 2 else decay).append(p)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=1e-8,
+        )
+        from dflash_train.train.schedule import make_scheduler
+
+        self.scheduler = make_scheduler(self.optimizer, cfg.train.max_steps, cfg.train.warmup_fraction,
+                                        cfg.train.min_lr_ratio)
+        self.anchor_gen = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1_000_003 * self.ctx.trainer_index)
+        self.model = self.ctx.wrap_model(self.drafter)
+        if cfg.train.compile:
+            self.model = torch.compile(self.model)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def _rng_generators(self) -> dict[str, torch.Generator]:
+        return {"anchors": self.anchor_gen}
+
+    def _checkpoint_payload(self) -> tuple[dict, dict, dict]:
+        from dflash_train.checkpoint import capture_rng_state
+
+        # collectives: every trainer rank calls this at the same step
+        train_state = self.state.__dict__.copy()
+        train_state["order_state"] = self.ctx.combine_order_states(self.state.order_state)
+        rng_per_trainer = self.ctx.gather_objects(capture_rng_state(self._rng_generators()))
+        tensors = {k: v for k, v in self.drafter.state_dict().items()}
+        objects = {
+            "format": STATE_FORMAT,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "train_state": train_state,
+            "rng": rng_per_trainer,
+        }
+        meta = {
+            "step": self.state.step,
+            "config_hash": self.cfg.hash(),
+            "code_version": code_version(),
+            "drafter_config": self.drafter_cfg.to_dict(),
+            "target_path": self.cfg.target.path,
+            "tokens": self.state.tokens,
+            "world_size": self.ctx.world_size,
+        }
+        return tensors, objects, meta
+
+    def _restore(self, path: Path) -> None:
+        from dflash_train.checkpoint import load_checkpoint, restore_rng_state
+
+        tensors, objects, manifest = load_checkpoint(path)
+        missing, unexpected = self.drafter.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise TrainError(f"checkpoint {path} does not fit this drafter: missing {missing}, unexpected {unexpected}")
+        self.optimizer.load_state_dict(objects["optimizer"])
+        self.scheduler.load_state_dict(objects["scheduler"])
+        self.state = TrainState(**objects["train_state"])
+        rng = objects["rng"]
+        if len(rng) != self.ctx.num_trainers:
+            log.warning("checkpoint was written by %d trainer ranks, now %d: RNG streams restart from rank 0's",
+                        len(rng), self.ctx.num_trainers)
+        restore_rng_state(rng[self.ctx.trainer_index if self.ctx.trainer_index < len(rng) else 0],
+                          self._rng_generators())
+        log.info("resumed from %s at step %d (%d tokens trained)", path, self.state.step, self.state.tokens)
+
+    def _resume(self) -> None:
+        from dflash_train.checkpoint import find_resumable
+
+        ckpt_dir = self.run_dir / "checkpoints"
+        if self.resume_arg == "never":
+            return
+        if self.resume_arg == "auto":
+            path = find_resumable(ckpt_dir, log=log.warning)
+            if path is None:
+                return
+        else:
+            path = Path(self.resume_arg)
+            if not path.exists():
+                raise TrainError(f"--resume {path}: no such checkpoint")
+        self._restore(path)
+        if self.is_leader:
+            from dflash_train.train.metrics import truncate_metrics
+
+            dropped = truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
+            if dropped:
+                log.info("metrics.jsonl: dropped %d lines logged after step %d (they are produced again)",
+                         dropped, self.state.step)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> int:
+        from dflash_train.checkpoint import CheckpointManager
+        from dflash_train.control.signals import AbortRun, StopController
+
+        self._setup_run_dir()
+        stopper = StopController()
+        stopper.install()
+        self.ckpt = None
+        exit_code = 0
+        try:
+            self._build()
+            self._resume()
+            self.ckpt = CheckpointManager(
+                self.run_dir / "checkpoints", keep_last=self.cfg.checkpoint.keep_last,
+                async_save=self.cfg.checkpoint.async_save,
+                test_delay_seconds=self.cfg.checkpoint.test_delay_seconds, log=log.info,
+                enabled=self.is_leader,
+            )
+            stopper.on_abandon = self.ckpt.abandon
+            exit_code = self._loop(stopper)
+        except AbortRun:
+            log.warning("second signal: abandoned the checkpoint in progress, exiting 130")
+            exit_code = 130
+        finally:
+            if self.ckpt is not None and exit_code != 130:
+                self.ckpt.wait()
+            if self.record is not None:
+                self.record.release(last_checkpoint=self._last_ckpt_name())
+            stopper.uninstall()
+        return exit_code
+
+    def _last_ckpt_name(self) -> str | None:
+        step = getattr(self.ckpt, "last_committed_step", None) if self.ckpt else None
+        return f"step-{step:08d}" if step is not None else None
+
+    def _save(self, reason: str) -> None:
+        tensors, objects, meta = self._checkpoint_payload()
+        meta["reason"] = reason
+        self.ckpt.save(self.state.step, tensors, objects, meta)
+        self._last_saved = self.state.step
+        if self.record is not None:
+            self.record.update(last_checkpoint=f"step-{self.state.step:08d}")
+
+    def _pipeline(self):
+        return self.ctx.make_pipeline(self)
+
+    def _loop(self, stopper) -> int:
+        from dflash_train.model.loss import dflash_loss, expected_acceptance_length
+        from dflash_train.train.metrics import MetricsLogger
+
+        cfg = self.cfg
+        bs = self.drafter_cfg.block_size
+        metrics = MetricsLogger(self.run_dir, cfg.train.max_steps, self.state.step, cfg.logging.tensorboard,
+                                cfg.logging.progress, enabled=self.is_leader)
+        pipe = self._pipeline()
+        stats = pipe.stats
+        autocast = self._autocast()
+        t_start = time.time()
+        interval_t0 = time.perf_counter()
+        interval_tokens = interval_samples = 0
+        step_times: list[float] = []
+        acc_correct = torch.zeros(bs - 1, device=self.device)
+        acc_count = torch.zeros(bs - 1, device=self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        loss_n = 0
+        stop_reason = None
+        self._last_saved = self.state.step
+        try:
+            while True:
+                # ---- step boundary: every rank agrees to stop at the same step
+                local_stop = stopper.stop_requested or (
+                    cfg.train.max_seconds > 0 and time.time() - t_start >= cfg.train.max_seconds)
+                if self.ctx.agree_stop(local_stop):
+                    stop_reason = "signal" if stopper.stop_requested else "time budget"
+                    if stop_reason == "signal" or self.ctx.any_signal(stopper.stop_requested):
+                        stop_reason = "signal"
+                    break
+                if self.state.step >= cfg.train.max_steps:
+                    stop_reason = "max_steps"
+                    break
+                t_step = time.perf_counter()
+                self.model.train()
+                self.optimizer.zero_grad(set_to_none=True)
+                step_loss = torch.zeros((), device=self.device)
+                batches = []
+                for micro in range(cfg.train.grad_accum):
+                    batch = pipe.get().to(self.device)
+                    batches.append(batch)
+                    t_busy = time.perf_counter()
+                    sync_ctx = self.ctx.no_sync(self.model) if micro < cfg.train.grad_accum - 1 else _null()
+                    with sync_ctx, autocast:
+                        out = dflash_loss(
+                            self.model, self.target, batch.input_ids, batch.loss_mask, batch.document_ids,
+                            batch.features, num_anchors=cfg.train.num_anchors, generator=self.anchor_gen,
+                            gamma=cfg.train.loss_gamma, chunk_blocks=cfg.train.loss_chunk_blocks,
+                            vocab_subset=self.vocab_subset,
+                        )
+                        (out.loss / cfg.train.grad_accum).backward()
+                    step_loss += out.loss.detach() / cfg.train.grad_accum
+                    acc_correct += out.correct.detach().float()
+                    acc_count += out.count.detach().float()
+                    stats.add("trainer", busy=time.perf_counter() - t_busy)
+                t_busy = time.perf_counter()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip)
+                # one host sync per step: the skip decision must agree on every rank
+                finite = bool(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
+                finite = self.ctx.agree_all(finite)
+                self.state.step += 1
+                self.state.order_state = batches[-1].order_state
+                n_tok = sum(b.num_tokens for b in batches) * self.ctx.num_trainers
+                n_samp = sum(b.input_ids.shape[0] for b in batches) * self.ctx.num_trainers
+                if finite:
+                    self.optimizer.step()
+                    self.state.consecutive_skips = 0
+                    loss_sum += step_loss
+                    loss_n += 1
+                else:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.state.consecutive_skips += 1
+                    self.state.skipped_total += 1
+                    log.warning("step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row)",
+                                self.state.step, float(step_loss), float(grad_norm), self.state.consecutive_skips)
+                self.scheduler.step()
+                self.state.tokens += n_tok
+                self.state.samples += n_samp
+                interval_tokens += n_tok
+                interval_samples += n_samp
+                stats.add("trainer", busy=time.perf_counter() - t_busy)
+                step_times.append(time.perf_counter() - t_step)
+                metrics.advance(self.state.step)
+
+                if self.state.consecutive_skips >= cfg.train.max_consecutive_skips:
+                    log.error("%d consecutive non-finite steps: stopping with the last good state",
+                              self.state.consecutive_skips)
+                    stop_reason = "non-finite"
+                    break
+
+                if self.state.step % cfg.logging.every_steps == 0:
+                    now = time.perf_counter()
+                    dt = max(now - interval_t0, 1e-9)
+                    acc = (acc_correct / acc_count.clamp_min(1)).tolist()  # the interval's one read
+                    rec = {
+                        "step": self.state.step,
+                        "loss": float(step_loss),
+                        "loss_mean": float(loss_sum / max(loss_n, 1)),
+                        "lr": self.scheduler.get_last_lr()[0],
+                        "grad_norm": float(grad_norm),
+                        "expected_tau": float(expected_acceptance_length(torch.tensor(acc))),
+                        "tokens_per_s": interval_tokens / dt,
+                        "samples_per_s": interval_samples / dt,
+                        "tokens": self.state.tokens,
+                        "skipped": self.state.skipped_total,
+                        "time": time.time(),
+                    }
+                    for k, a in enumerate(acc, start=1):
+                        rec[f"acc_{k}"] = a
+                    rec.update(stats.snapshot_and_reset())
+                    metrics.log(rec)
+                    if self.record is not None:
+                        self.record.update(step=self.state.step, tokens_per_s=rec["tokens_per_s"], loss=rec["loss"])
+                    acc_correct.zero_(); acc_count.zero_(); loss_sum.zero_()
+                    loss_n = interval_tokens = interval_samples = 0
+                    interval_t0 = time.perf_counter()
+
+                if cfg.eval.every_steps and self.state.step % cfg.eval.every_steps == 0:
+                    t_eval = time.perf_counter()
+                    self._in_training_eval(metrics)
+                    interval_t0 += time.perf_counter() - t_eval  # eval time is not training time
+
+                if self.state.step % cfg.checkpoint.every_steps == 0 and self.state.step != self._last_saved:
+                    self._save("periodic")
+                    if len(step_times) == cfg.checkpoint.every_steps or len(step_times) >= 3:
+                        self._grace_check(step_times)
+        finally:
+            pipe.close()
+            metrics.close()
+        log.info("stopping at step %d (%s)", self.state.step, stop_reason)
+        if self.state.step != self._last_saved and self.state.step > 0:
+            self._save(stop_reason or "stop")
+        self.ckpt.wait()
+        if stop_reason == "non-finite":
+            return 1
+        return 0
+
+    def _grace_check(self, step_times: list[float]) -> None:
+        from dflash_train.control.signals import grace_warning
+
+        step_s = float(np.median(step_times[-20:]))
+        save_s = getattr(self.ckpt, "last_snapshot_seconds", 0.0) or 0.0
+        msg = grace_warning(step_s, save_s, self.cfg.checkpoint.grace_seconds)
+        log.info("timing: step %.3fs, checkpoint snapshot %.3fs, grace %.0fs", step_s, save_s,
+                 self.cfg.checkpoint.grace_seconds)
+        if msg:
+            log.warning(msg)
+
+    def _autocast(self):
+        if self.cfg.train.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return _null()
+
+    def _in_training_eval(self, metrics) -> None:
+        from dflash_train.eval.command import evaluate_tau, heldout_prompts
+
+        if not self.is_leader:
+            self._mark_best_if(False)
+            return
+        prompts = heldout_prompts(self.data.heldout, self.cfg.eval.num_prompts)
+        self.drafter.eval()
+        res = evaluate_tau(self.drafter, self.target, prompts, self.cfg.eval.max_new_tokens,
+                           self.cfg.eval.temperature, seed=self.cfg.train.seed, measure_plain=False)
+        self.drafter.train()
+        rec = {"step": self.state.step, "tau": res["tau"], "eval": True, "time": time.time()}
+        metrics.log(rec)
+        log.info("eval at step %d: tau %.3f", self.state.step, res["tau"])
+        improved = self.state.best_tau is None or res["tau"] > self.state.best_tau
+        if improved:
+            self.state.best_tau = res["tau"]
+        self._mark_best_if(improved)
+
+    def _mark_best_if(self, improved: bool) -> None:
+        if not self.ctx.broadcast_flag(improved):
+            return
+        if self._last_saved != self.state.step:
+            self._save("best")
+        self.ckpt.wait()
+        if self.is_leader:
+            self.ckpt.mark_best(self.state.step)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
