@@ -1,0 +1,430 @@
+"""The DFlash drafter: Qwen3-layout decoder layers with KV injection of target features.
+
+Numerically the same as the reference `dflash.model.DFlashDraftModel` (PyPI
+dflash 0.1.0), see tests/test_model_parity.py. Differences are in layout only:
+training runs MANY blocks (anchors) of a row in one forward, with keys
+[context ; all blocks] and the mask from `masks.py`; inference keeps a context
+KV cache (`new_cache` / `extend_context` / `draft_block`).
+
+The drafter owns no embedding and no lm_head (the target's are used); its
+state_dict names are the export names (`layers.0.self_attn.q_proj.weight`,
+`fc.weight`, `hidden_norm.weight`, `norm.weight`, ...).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.model import masks as M
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The method's rule: one draft layer -> [L // 2]; else N evenly spaced from 1 to L-3, rounded."""
+    L, N = int(num_target_layers), int(num_draft_layers)
+    if N == 1:
+        return [L // 2]
+    start, end = 1, L - 3
+    span = end - start
+    # python round (banker's) on purpose: the reference build_target_layer_ids uses it
+    return [round(start + (i * span) / (N - 1)) for i in range(N)]
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    layer_types: list[str]
+    sliding_window: int | None
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    vocab_size: int = 0
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) == 1 and self.num_layers > 1:
+            self.layer_types = list(self.layer_types) * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        for lt in self.layer_types:
+            if lt not in (M.FULL, M.SLIDING):
+                raise ValueError(f"unknown layer type {lt!r}")
+        if M.SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need sliding_window")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (RoPE)")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} outside 0..{self.num_target_layers - 1}")
+
+    @property
+    def num_context_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown DrafterConfig keys: {sorted(unknown)}")
+        return cls(**{k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()})
+
+    @classmethod
+    def from_target(cls, model_cfg, target) -> "DrafterConfig":
+        """ModelConfig + a target (see docs/architecture.md "Target interface"); None sizes -> the target's."""
+        hf = target.hf_config
+        H = int(target.hidden_size)
+        num_heads = model_cfg.num_heads or int(getattr(hf, "num_attention_heads"))
+        num_kv = model_cfg.num_kv_heads or int(getattr(hf, "num_key_value_heads", None) or num_heads)
+        head_dim = model_cfg.head_dim or getattr(hf, "head_dim", None) or H // num_heads
+        inter = model_cfg.intermediate_size or int(getattr(hf, "intermediate_size"))
+        layer_ids = model_cfg.target_layer_ids
+        if layer_ids is None:
+            layer_ids = default_target_layer_ids(target.num_layers, model_cfg.num_layers)
+        mask_id = model_cfg.mask_token_id if model_cfg.mask_token_id is not None else target.mask_token_id
+        if mask_id is None:
+            raise ValueError("no mask_token_id: set model.mask_token_id or use a target that defines one")
+        softcap = target.final_logit_softcapping
+        return cls(
+            hidden_size=H,
+            num_layers=model_cfg.num_layers,
+            num_heads=int(num_heads),
+            num_kv_heads=int(num_kv),
+            head_dim=int(head_dim),
+            intermediate_size=int(inter),
+            layer_types=model_cfg.resolved_layer_types(),
+            sliding_window=model_cfg.sliding_window,
+            block_size=model_cfg.block_size,
+            mask_token_id=int(mask_id),
+            target_layer_ids=list(layer_ids),
+            num_target_layers=int(target.num_layers),
+            rms_norm_eps=model_cfg.rms_norm_eps,
+            rope_theta=model_cfg.rope_theta,
+            max_position_embeddings=model_cfg.max_position_embeddings,
+            vocab_size=int(target.vocab_size),
+            input_embedding_scale=float(target.embed_scale),
+            output_multiplier=float(target.output_multiplier),
+            final_logit_softcapping=None if softcap is None else float(softcap),
+            init_std=model_cfg.init_std,
+        )
+
+
+# --------------------------------------------------------------------------- building blocks
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """cos/sin for arbitrary (per-token) positions, fp32 like Qwen3RotaryEmbedding."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        # non-persistent: not part of the export / state_dict
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.float()  # [..., D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, h, n, D]; cos/sin [B, n, D] (per row positions)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_type: str):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, D
+        self.layer_type = layer_type
+        self.q_proj = nn.Linear(H, self.nh * D, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * D, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * D, bias=False)
+        self.o_proj = nn.Linear(self.nh * D, H, bias=False)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.scale = D**-0.5
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of x [B, n, H] -> [B, nkv, n, D] (k_norm + RoPE on k). Same weights for context and block."""
+        B, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, n, self.nkv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(B, n, self.nkv, self.d).transpose(1, 2)
+        return _rope(k, cos, sin), v
+
+    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, n, self.nh, self.d)).transpose(1, 2)
+        return _rope(q, cos, sin)
+
+    def attend(self, q, k, v, mask) -> torch.Tensor:
+        """q [B, nh, Q, D], k/v [B, nkv, KV, D]; mask: dense bool [B,1,Q,KV] or a flex BlockMask."""
+        if mask is None or isinstance(mask, torch.Tensor):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.nh != self.nkv)
+        else:
+            out = _flex_attention(q, k, v, mask, self.scale, self.nh != self.nkv)
+        B, _, Q, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.nh * self.d))
+
+
+_FLEX_COMPILED = None
+
+
+def _flex_attention(q, k, v, block_mask, scale, gqa):
+    """Compiled flex_attention on CUDA (one compile per process); eager elsewhere (CPU tests, forward only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _FLEX_COMPILED
+    if q.is_cuda:
+        if _FLEX_COMPILED is None:
+            _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+        fn = _FLEX_COMPILED
+    else:
+        fn = flex_attention
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = Attention(cfg, layer_type)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, q_rope, kv_rope, ctx_kv, mask):
+        """x [B, Q, H] block stream; ctx_kv: this layer's context (k, v) (NOT input-normed, as in the reference)."""
+        h = self.input_layernorm(x)
+        q = self.self_attn.q(h, *q_rope)
+        kb, vb = self.self_attn.kv(h, *kv_rope)
+        k = torch.cat([ctx_kv[0], kb], dim=2)
+        v = torch.cat([ctx_kv[1], vb], dim=2)
+        x = x + self.self_attn.attend(q, k, v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# --------------------------------------------------------------------------- inference cache
+
+
+class DrafterCache:
+    """Per layer context keys/values [B, nkv, n, D] (after k_norm and RoPE), positions 0..length-1."""
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def crop(self, n: int) -> None:
+        """Keep the first n context positions (e.g. after a rejected draft)."""
+        if n < 0 or n > self.length:
+            raise ValueError(f"cannot crop a cache of length {self.length} to {n}")
+        for i in range(len(self.k)):
+            if self.k[i] is not None:
+                self.k[i] = self.k[i][:, :, :n]
+                self.v[i] = self.v[i][:, :, :n]
+        self.length = n
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, seed: int | None = 0, generator: torch.Generator | None = None):
+        super().__init__()
+        self.cfg = cfg
+        H, K = cfg.hidden_size, cfg.num_context_layers
+        self.layers = nn.ModuleList([Layer(cfg, lt) for lt in cfg.layer_types])
+        self.fc = nn.Linear(K * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        if generator is None:
+            generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
+        self.init_weights(generator)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """N(0, init_std) for every Linear, ones for every RMSNorm; drawn on CPU in state_dict order,
+        so the same seed gives the same weights on any device."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                w = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, self.cfg.init_std, generator=generator)
+                p.copy_(w)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, T, K*H] concatenated target layer outputs -> [B, T, H] shared by all layers."""
+        return self.hidden_norm(self.fc(features))
+
+    def _dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    # ------------------------------------------------------------------ training
+
+    def build_masks(self, anchors, anchor_valid, document_ids, backend: str | None = None):
+        """One mask per layer type for this step (shared by all layers of that type)."""
+        if backend is None:
+            backend = "flex" if anchors.is_cuda else "sdpa"
+        return M.build_masks(
+            self.cfg.layer_types, anchors, anchor_valid, document_ids,
+            self.cfg.block_size, self.cfg.sliding_window, backend,
+        )
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_valid: torch.Tensor,
+        document_ids: torch.Tensor,
+        *,
+        features: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        masks: dict | None = None,
+        backend: str | None = None,
+    ) -> torch.Tensor:
+        """Training forward over many blocks per row.
+
+        block_embeds [B, A*bs, H] (block i = anchor i); anchors/anchor_valid [B, A];
+        document_ids [B, T]; exactly one of features [B, T, K*H] (raw) or context
+        [B, T, H] (already fused). Returns the final-normed hidden [B, A*bs, H].
+        backend: "sdpa" (dense bool mask) | "flex" (BlockMask); default flex on CUDA.
+        """
+        if (features is None) == (context is None):
+            raise ValueError("pass exactly one of features= or context=")
+        if context is None:
+            context = self.fuse_context(features)
+        B, T, _ = context.shape
+        bs = self.cfg.block_size
+        A = anchors.shape[1]
+        if block_embeds.shape[1] != A * bs:
+            raise ValueError(f"block_embeds has {block_embeds.shape[1]} tokens, expected A*bs = {A * bs}")
+        if masks is None:
+            masks = self.build_masks(anchors, anchor_valid, document_ids, backend)
+
+        dtype = block_embeds.dtype
+        q_pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).reshape(B, A * bs)
+        ctx_pos = torch.arange(T, device=anchors.device).expand(B, T)
+        q_rope = self.rotary(q_pos, dtype)
+        ctx_rope = self.rotary(ctx_pos, context.dtype)
+
+        x = block_embeds
+        for layer in self.layers:
+            ctx_kv = layer.self_attn.kv(context, *ctx_rope)
+            x = layer(x, q_rope, q_rope, ctx_kv, masks[layer.layer_type])
+        return self.norm(x)
+
+    # ------------------------------------------------------------------ inference
+
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache(len(self.layers))
+
+    @torch.no_grad()
+    def extend_context(self, cache: DrafterCache, features_new: torch.Tensor, start_position: int) -> None:
+        """Append context positions start..start+n-1 (features [B, n, K*H]); a start below the
+        cache length first crops the cache (the old tail was a rejected draft's context)."""
+        start = int(start_position)
+        if start > cache.length:
+            raise ValueError(f"context gap: cache holds {cache.length} positions, extend starts at {start}")
+        if start < cache.length:
+            cache.crop(start)
+        ctx = self.fuse_context(features_new.to(self._dtype()))
+        B, n, _ = ctx.shape
+        pos = torch.arange(start, start + n, device=ctx.device).expand(B, n)
+        rope = self.rotary(pos, ctx.dtype)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv(ctx, *rope)
+            cache.k[i] = k if cache.k[i] is None else torch.cat([cache.k[i], k], dim=2)
+            cache.v[i] = v if cache.v[i] is None else torch.cat([cache.v[i], v], dim=2)
+        cache.length = start + n
+
+    @torch.no_grad()
+    def draft_block(self, cache: DrafterCache, block_embeds: torch.Tensor, anchor_position: int) -> torch.Tensor:
+        """One block at positions anchor..anchor+bs-1 -> final-normed hidden [B, bs, H].
+
+        Sees cached context positions < anchor and its own block; the mask comes
+        from the same `dflash_mask_mod` as training (one anchor, one document).
+        """
+        a = int(anchor_position)
+        if a > cache.length:
+            raise ValueError(f"anchor {a} beyond the cached context ({cache.length} positions)")
+        B, n, _ = block_embeds.shape
+        dev = block_embeds.device
+        anchors = torch.full((B, 1), a, dtype=torch.long, device=dev)
+        valid = torch.ones(B, 1, dtype=torch.bool, device=dev)
+        docs = torch.zeros(B, a, dtype=torch.long, device=dev)
+        masks = {}
+        for lt in dict.fromkeys(self.cfg.layer_types):
+            mod = M.dflash_mask_mod(anchors, valid, docs, n, lt, self.cfg.sliding_window, a)
+            masks[lt] = M.dense_mask(mod, B, n, a + n, device=dev)
+        pos = torch.arange(a, a + n, device=dev).expand(B, n)
+        rope = self.rotary(pos, block_embeds.dtype)
+        x = block_embeds.to(self._dtype())
+        for i, layer in enumerate(self.layers):
+            if cache.k[i] is None:
+                empty = x.new_zeros(B, layer.self_attn.nkv, 0, layer.self_attn.d)
+                ctx_kv = (empty, empty)
+            else:
+                ctx_kv = (cache.k[i][:, :, :a], cache.v[i][:, :, :a])
+            x = layer(x, rope, rope, ctx_kv, masks[layer.layer_type])
+        return self.norm(x)

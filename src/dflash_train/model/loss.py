@@ -1,0 +1,254 @@
+"""Anchors, blocks, labels/weights and the chunked DFlash loss.
+
+Block anchored at a: inputs [token a, MASK x (bs-1)] at positions a..a+bs-1;
+position k (1..bs-1) is trained to predict token a+k (SAME-position labels;
+predicting a+k+1 is the classic silent bug) with weight
+
+    exp(-(k-1)/gamma) * loss_mask[a+k] * in_bounds(a+k) * same_document(a, a+k) * anchor_valid
+
+and loss = sum(w * CE) / sum(w). The lm_head (vocab ~262K for Gemma) dominates
+the cost, so logits are produced chunk by chunk and never all at once; the
+gradient of each chunk w.r.t. the drafter hidden is computed in the forward
+(one extra matmul instead of a saved [N, V] logits tensor or a recompute).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# gamma of the method for the published block sizes
+_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """7 for bs 16, 5 for bs 10, 4 for bs 8 (the method). Other sizes: piecewise-linear
+    through (8, 4), (10, 5), (16, 7), extended with the end slopes (0.5 below 10,
+    1/3 above 10), floored at 1. So bs 2 -> 1, bs 4 -> 2, bs 32 -> 12.33."""
+    bs = int(block_size)
+    if bs in _GAMMA:
+        return _GAMMA[bs]
+    g = 4.0 + 0.5 * (bs - 8) if bs < 10 else 5.0 + (bs - 10) / 3.0
+    return max(1.0, g)
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, weighted mean CE (has grad)
+    weight_sum: torch.Tensor  # scalar, sum of weights (no grad)
+    correct: torch.Tensor  # [bs-1] long: argmax == label among supervised positions, per block position k=1..bs-1
+    count: torch.Tensor  # [bs-1] long: supervised positions per block position
+    num_blocks: torch.Tensor  # scalar long: valid anchors
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    document_ids: torch.Tensor,
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, up to num_anchors positions a drawn uniformly without replacement among the valid
+    ones (loss_mask[a] and loss_mask[a+1], same document, not padding).
+
+    Returns anchors [B, A] long and valid [B, A] bool, A = num_anchors: valid anchors first,
+    ascending, then padding (anchor 0, valid False). Randomness comes ONLY from `generator`
+    (one torch.rand of [B, T] on the generator's device), so a saved generator state
+    replays the same anchors. block_size is accepted for the interface; a block that runs
+    past the row end or its document is still valid (those positions weigh 0).
+    """
+    del block_size
+    B, T = loss_mask.shape
+    dev = loss_mask.device
+    lm = loss_mask.bool()
+    ok = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    if T >= 2:
+        ok[:, :-1] = lm[:, :-1] & lm[:, 1:] & (document_ids[:, :-1] == document_ids[:, 1:]) & (document_ids[:, :-1] >= 0)
+    A = int(num_anchors)
+    # random keys; invalid positions get key 2 (> any rand) so they sort last
+    keys = torch.rand(B, T, generator=generator, device=generator.device).to(dev)
+    keys = torch.where(ok, keys, torch.full_like(keys, 2.0))
+    if A > T:
+        keys = torch.cat([keys, keys.new_full((B, A - T), 3.0)], dim=1)
+    picked_keys, picked = torch.topk(keys, A, dim=1, largest=False, sorted=True)
+    valid = picked_keys < 1.5
+    # ascending positions with padding last: sort by (valid first, position)
+    order_key = torch.where(valid, picked, picked.new_full(picked.shape, T + A + 1))
+    order_key, _ = torch.sort(order_key, dim=1)
+    valid = order_key <= T
+    anchors = torch.where(valid, order_key, torch.zeros_like(order_key))
+    return anchors.long(), valid
+
+
+def make_blocks(input_ids, loss_mask, document_ids, anchors, anchor_valid, block_size, mask_token_id, gamma):
+    """Block input ids [B, A*bs], labels [B, A, bs-1] (token a+k), weights [B, A, bs-1], supervised [B, A, bs-1]."""
+    B, T = input_ids.shape
+    A = anchors.shape[1]
+    bs = int(block_size)
+    dev = input_ids.device
+    block_ids = torch.full((B, A, bs), int(mask_token_id), dtype=torch.long, device=dev)
+    block_ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    k = torch.arange(1, bs, device=dev)
+    pos = anchors[:, :, None] + k  # [B, A, bs-1] the SAME position a+k
+    in_bounds = pos < T
+    posc = pos.clamp(max=T - 1).reshape(B, -1)
+    labels = torch.gather(input_ids, 1, posc).view(B, A, bs - 1)
+    lm = torch.gather(loss_mask.bool(), 1, posc).view(B, A, bs - 1)
+    doc_t = torch.gather(document_ids, 1, posc).view(B, A, bs - 1)
+    doc_a = torch.gather(document_ids, 1, anchors)[:, :, None]
+    supervised = in_bounds & lm & (doc_t == doc_a) & anchor_valid[:, :, None]
+    decay = torch.exp(-(k.float() - 1.0) / float(gamma))
+    weights = decay * supervised.float()
+    return block_ids.view(B, A * bs), labels, weights, supervised
+
+
+class _ChunkedCE(torch.autograd.Function):
+    """sum_i w_i * CE(logits(h_i), y_i) over chunks of rows; saves only d(sum)/dh [N, H].
+
+    The gradient is computed in the forward, chunk by chunk (autograd on a detached
+    chunk), so the [chunk, V] logits are freed before the next chunk; backward just
+    scales the saved gradient. Also returns argmax-correct flags (no grad).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, labels, weights, chunk_rows, logits_fn, need_grad):
+        N = hidden.shape[0]
+        total = hidden.new_zeros((), dtype=torch.float32)
+        correct = torch.zeros(N, dtype=torch.bool, device=hidden.device)
+        grad = torch.zeros_like(hidden) if need_grad else None
+        for s in range(0, N, chunk_rows):
+            e = min(N, s + chunk_rows)
+            h = hidden[s:e].detach()
+            with torch.enable_grad():
+                h.requires_grad_(need_grad)
+                logits = logits_fn(h).float()
+                ce = F.cross_entropy(logits, labels[s:e].clamp(min=0), reduction="none")
+                part = (ce * weights[s:e]).sum()
+                if need_grad:
+                    (g,) = torch.autograd.grad(part, h)
+                    grad[s:e] = g
+            total = total + part.detach()
+            correct[s:e] = logits.detach().argmax(-1) == labels[s:e]
+            del logits, ce, part
+        ctx.save_for_backward(grad if need_grad else hidden.new_zeros(0))
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total, grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None
+
+
+def _subset_logits_fn(target, vocab_subset: torch.Tensor):
+    """Logits over the allowed ids only: lm_head rows of the subset, then the target's
+    multiplier and soft-cap (both elementwise, so equal to the full logits restricted)."""
+    W = target.lm_head_weight[vocab_subset]
+    mult = float(getattr(target, "output_multiplier", 1.0) or 1.0)
+    cap = getattr(target, "final_logit_softcapping", None)
+
+    def fn(h):
+        z = F.linear(h.to(W.dtype), W)
+        if mult != 1.0:
+            z = z * mult
+        if cap is not None and float(cap) > 0:
+            z = torch.tanh(z / float(cap)) * float(cap)
+        return z
+
+    return fn
+
+
+def chunked_weighted_ce(hidden, labels, weights, target, chunk_rows, vocab_subset=None):
+    """hidden [N, H], labels [N], weights [N] -> (sum w*CE (grad to hidden), correct [N] bool).
+
+    vocab_subset: LongTensor of allowed ids; the softmax is over those ids only, labels
+    outside weigh 0 (and count as wrong for accuracy).
+    """
+    need_grad = torch.is_grad_enabled() and hidden.requires_grad
+    if vocab_subset is None:
+        return _ChunkedCE.apply(hidden, labels, weights, chunk_rows, target.logits, need_grad)
+    V = int(target.lm_head_weight.shape[0])
+    subset = vocab_subset.to(hidden.device).long()
+    lookup = torch.full((V,), -1, dtype=torch.long, device=hidden.device)
+    lookup[subset] = torch.arange(subset.numel(), device=hidden.device)
+    sub_labels = lookup[labels]
+    sub_weights = weights * (sub_labels >= 0)
+    total, correct = _ChunkedCE.apply(
+        hidden, sub_labels, sub_weights, chunk_rows, _subset_logits_fn(target, subset), need_grad
+    )
+    return total, correct & (sub_labels >= 0)
+
+
+def dflash_loss(
+    drafter,
+    target,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    document_ids: torch.Tensor,
+    features: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator,
+    gamma: float | None = None,
+    chunk_blocks: int = 64,
+    vocab_subset: torch.Tensor | None = None,
+    backend: str | None = None,
+    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> LossOutput:
+    """The DFlash training loss of one batch ([B, T] rows, features [B, T, K*H]).
+
+    anchors: optional precomputed (anchors, valid) (tests); else sampled with `generator`.
+    No host syncs: correct/count/num_blocks stay device tensors.
+    """
+    cfg = drafter.cfg
+    bs = cfg.block_size
+    if gamma is None:
+        gamma = default_gamma(bs)
+    dev = input_ids.device
+    document_ids = document_ids.to(dev)
+    if anchors is None:
+        anchors = sample_anchors(loss_mask, document_ids, num_anchors, bs, generator)
+    anc, valid = anchors
+    block_ids, labels, weights, supervised = make_blocks(
+        input_ids, loss_mask, document_ids, anc, valid, bs, cfg.mask_token_id, gamma
+    )
+    dtype = drafter.fc.weight.dtype
+    with torch.no_grad():  # the target is frozen: never let a gradient reach its embedding
+        block_embeds = target.embed(block_ids).to(dtype)
+    hidden = drafter(block_embeds, anc, valid, document_ids, features=features.to(dtype), backend=backend)
+    B, A = anc.shape
+    H = hidden.shape[-1]
+    h = hidden.view(B, A, bs, H)[:, :, 1:].reshape(-1, H)  # block positions 1..bs-1
+    flat_labels = labels.reshape(-1)
+    flat_w = weights.reshape(-1)
+    total, correct = chunked_weighted_ce(h, flat_labels, flat_w, target, max(1, chunk_blocks) * (bs - 1), vocab_subset)
+    weight_sum = flat_w.sum() if vocab_subset is None else None
+    if weight_sum is None:
+        V = int(target.lm_head_weight.shape[0])
+        inside = torch.zeros(V, dtype=torch.bool, device=dev)
+        inside[vocab_subset.to(dev).long()] = True
+        weight_sum = (flat_w * inside[flat_labels]).sum()
+    # clamp: a batch with nothing supervised gives loss 0 (not NaN); the trainer can skip it
+    loss = total / weight_sum.clamp(min=1e-12)
+    sup = supervised.view(B * A, bs - 1)
+    corr = correct.view(B * A, bs - 1) & sup
+    return LossOutput(
+        loss=loss,
+        weight_sum=weight_sum.detach(),
+        correct=corr.sum(0),
+        count=sup.sum(0),
+        num_blocks=valid.sum(),
+    )
+
+
+def expected_acceptance_length(acc_per_pos: Sequence[float] | torch.Tensor) -> float:
+    """tau estimate from per-position accuracies: 1 + sum_k prod_{j<=k} acc_j.
+
+    acc_j = accuracy at block position j given correct inputs; a draft is accepted up to
+    the first miss, plus the target's bonus token (the 1). It treats positions as
+    independent, so it is an estimate; real speculative decoding is the measure.
+    """
+    acc = torch.as_tensor(acc_per_pos, dtype=torch.float64).flatten().cpu()
+    return float(1.0 + torch.cumprod(acc, 0).sum())
