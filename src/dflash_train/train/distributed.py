@@ -97,9 +97,6 @@ class DistContext:
     def agree_stop(self, local: bool) -> bool:
         return self._reduce(1.0 if local else 0.0, dist.ReduceOp.MAX if self.distributed else None) > 0
 
-    def any_signal(self, local: bool) -> bool:
-        return self.agree_stop(local)
-
     def agree_all(self, ok: bool) -> bool:
         return self._reduce(1.0 if ok else 0.0, dist.ReduceOp.MIN if self.distributed else None) > 0
 

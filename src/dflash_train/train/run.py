@@ -232,13 +232,17 @@ class Trainer:
         try:
             self._build()
             self._resume()
-            self.ckpt = CheckpointManager(
-                self.run_dir / "checkpoints", keep_last=self.cfg.checkpoint.keep_last,
-                async_save=self.cfg.checkpoint.async_save,
-                test_delay_seconds=self.cfg.checkpoint.test_delay_seconds, log=log.info,
-                enabled=self.is_leader,
-            )
-            stopper.on_abandon = self.ckpt.abandon
+            if self.is_leader:
+                self.ckpt = CheckpointManager(
+                    self.run_dir / "checkpoints", keep_last=self.cfg.checkpoint.keep_last,
+                    async_save=self.cfg.checkpoint.async_save,
+                    test_delay_seconds=self.cfg.checkpoint.test_delay_seconds, log=log.info,
+                )
+            else:
+                self.ckpt = _FollowerCheckpoints()
+            stopper.set_on_abandon(self.ckpt.abandon)
+            if self.record is not None:
+                self.record.update(step=self.state.step, last_checkpoint=self._last_ckpt_name())
             exit_code = self._loop(stopper)
         except AbortRun:
             log.warning("second signal: abandoned the checkpoint in progress, exiting 130")
@@ -247,7 +251,7 @@ class Trainer:
             if self.ckpt is not None and exit_code != 130:
                 self.ckpt.wait()
             if self.record is not None:
-                self.record.release(last_checkpoint=self._last_ckpt_name())
+                self.record.release(last_checkpoint=self._last_ckpt_name(), step=self.state.step)
             stopper.uninstall()
         return exit_code
 
@@ -293,9 +297,7 @@ class Trainer:
                 local_stop = stopper.stop_requested or (
                     cfg.train.max_seconds > 0 and time.time() - t_start >= cfg.train.max_seconds)
                 if self.ctx.agree_stop(local_stop):
-                    stop_reason = "signal" if stopper.stop_requested else "time budget"
-                    if stop_reason == "signal" or self.ctx.any_signal(stopper.stop_requested):
-                        stop_reason = "signal"
+                    stop_reason = stopper.signal_name or ("time budget" if cfg.train.max_seconds else "peer rank")
                     break
                 if self.state.step >= cfg.train.max_steps:
                     stop_reason = "max_steps"
@@ -408,7 +410,8 @@ class Trainer:
         from dflash_train.control.signals import grace_warning
 
         step_s = float(np.median(step_times[-20:]))
-        save_s = getattr(self.ckpt, "last_snapshot_seconds", 0.0) or 0.0
+        last = getattr(self.ckpt, "last_stats", None)
+        save_s = last.total_seconds if last is not None else 0.0
         msg = grace_warning(step_s, save_s, self.cfg.checkpoint.grace_seconds)
         log.info("timing: step %.3fs, checkpoint snapshot %.3fs, grace %.0fs", step_s, save_s,
                  self.cfg.checkpoint.grace_seconds)
@@ -447,6 +450,26 @@ class Trainer:
         self.ckpt.wait()
         if self.is_leader:
             self.ckpt.mark_best(self.state.step)
+
+
+class _FollowerCheckpoints:
+    """Trainer ranks other than the leader take part in the collectives of a
+    save but write nothing."""
+
+    last_committed_step = None
+    last_stats = None
+
+    def save(self, *a, **k) -> None:
+        pass
+
+    def wait(self, *a, **k) -> bool:
+        return True
+
+    def abandon(self, *a, **k) -> None:
+        pass
+
+    def mark_best(self, step: int) -> None:
+        pass
 
 
 class _null:
