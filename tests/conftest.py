@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random targets (built offline, cached per session)
+and a small deterministic JSONL of conversations."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+_SUBJECTS = ["the sea", "a robot", "Paris", "python code", "the moon", "a small cat", "speculative decoding",
+             "the library", "a train", "the weather"]
+_ASKS = ["Tell me about {s}.", "Write a short poem about {s}.", "What is special about {s}?",
+         "Explain {s} in simple words.", "Could you summarize what you know about {s}, please?"]
+_SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Accepted tokens are kept and the first mismatch is replaced.",
+    "The waves roll in and out again under a wide blue sky.",
+    "It depends on the details, so let me think step by step.",
+    "Once upon a time there was a little robot who wanted to read.",
+    "A small draft model proposes several tokens at once.",
+    "The capital of France is Paris, a city of art and light.",
+    "Training requires data, a loss function, an optimizer and patience.",
+    "for i in range(10): print(i)",
+    "Thank you very much, you are welcome!",
+]
+
+
+def tiny_conversations(n: int = 24, seed: int = 0) -> list[dict]:
+    """`n` deterministic ShareGPT-shape conversations (`id`, `conversations`);
+    every third one has two user/assistant exchanges, every fifth a system turn."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        turns = []
+        if i % 5 == 4:
+            turns.append({"from": "system", "value": "You are a helpful assistant."})
+        for _ in range(2 if i % 3 == 2 else 1):
+            s = rng.choice(_SUBJECTS)
+            turns.append({"from": "human", "value": rng.choice(_ASKS).format(s=s)})
+            k = rng.randint(2, 4)
+            turns.append({"from": "gpt", "value": f"About {s}: " + " ".join(rng.choice(_SENTENCES) for _ in range(k))})
+        out.append({"id": f"tiny-{i:04d}", "conversations": turns})
+    return out
+
+
+def write_tiny_jsonl(path: Path, n: int = 24, seed: int = 0) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(c) + "\n" for c in tiny_conversations(n, seed)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_target_factory(tmp_path_factory):
+    """factory(family="qwen3"|"llama"|"gemma3", **kw) -> Path of a tiny random
+    HF directory; each distinct (family, kw) is built once per session."""
+    from dflash_train.target.tiny import make_tiny_target
+
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("tiny-targets")
+
+    def make(family: str = "qwen3", **kw) -> Path:
+        key = (family, tuple(sorted(kw.items())))
+        if key not in cache:
+            name = family + "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
+            cache[key] = make_tiny_target(root / name, family=family, **kw)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tiny_target_factory) -> Path:
+    """A tiny random qwen3 target directory (4 layers, hidden 64, ~480-token BPE)."""
+    return tiny_target_factory("qwen3")
+
+
+@pytest.fixture
+def tiny_jsonl(tmp_path) -> Path:
+    """A JSONL file of 24 deterministic ShareGPT-shape conversations."""
+    return write_tiny_jsonl(tmp_path / "tiny.jsonl")
