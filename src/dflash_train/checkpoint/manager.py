@@ -1,0 +1,423 @@
+"""CheckpointManager: atomic, manifest-verified, optionally asynchronous checkpoints.
+
+Usage from the train loop::
+
+    mgr = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                            async_save=cfg.checkpoint.async_save,
+                            test_delay_seconds=cfg.checkpoint.test_delay_seconds, log=log)
+    ...
+    mgr.save(step, drafter.state_dict(),
+             {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+              "rng": capture_rng_state({"anchors": g}), "data_order": order_state},
+             {"config_hash": cfg.hash(), "code_version": code_version(), "tokens_seen": n})
+    ...
+    mgr.wait()        # before exiting: the last save is committed (or raises CheckpointError)
+    # on a second signal instead: mgr.abandon()
+
+`save` returns once the tensors and objects are snapshotted to host memory
+(tensors cloned to CPU, `objects` copied recursively with their tensors cloned
+to CPU), so training may mutate the live model right after. The write runs in a
+daemon background thread (or inline when async_save=False); only one write is
+in flight: `save` first waits for the previous one. A write that failed is
+re-raised as CheckpointError by the next `save` or `wait`.
+
+`objects` must be "plain": dict / list / tuple / set of str, int, float, bool,
+None, bytes, torch.Tensor, torch.dtype, torch.device, torch.Size (numpy scalars
+are converted to Python numbers). Anything else raises TypeError at `save` time
+naming the key path, because state.pt is loaded with torch.load(weights_only=True).
+Optimizer/scheduler ``state_dict()``s and `capture_rng_state()` are plain.
+
+Commit protocol: write into ``.tmp-step-NNNNNNNN-<rand>/`` -> fsync each file ->
+manifest.json last -> fsync dir -> (sleep test_delay_seconds, test only) ->
+rename to ``step-NNNNNNNN/`` -> fsync parent -> ``latest`` symlink replaced
+atomically -> retention. A crash at any point leaves either the old state or
+the new complete checkpoint visible; leftovers are ``.tmp-*`` (ignored, removed
+when the next CheckpointManager is created on the directory).
+
+Retention (after each commit): keep the newest `keep_last` complete
+checkpoints with step <= the one just saved, plus the one ``best`` points at,
+plus the one just committed. Everything else under ``step-*`` is removed
+(renamed to ``.tmp-delete-*`` first, so a half-deleted directory is never
+visible), including checkpoints with a HIGHER step than the one just saved:
+they belong to an abandoned timeline (the run was resumed from an older
+checkpoint) and must not win the next `find_resumable`. The only valid
+checkpoint is never removed because the just-committed one is always kept.
+
+Timing: every save logs ``snapshot X s`` (blocking the caller) and ``write Y s``
+(background); the last figures are in `last_stats` (SaveStats) for
+`control.signals.grace_warning`.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import secrets
+import shutil
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from dflash_train.checkpoint.store import (
+    BEST,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    TMP_PREFIX,
+    CheckpointError,
+    list_checkpoints,
+    parse_step,
+    read_link,
+    set_link,
+    sha256_file,
+    step_dir_name,
+    verify_checkpoint,
+)
+from dflash_train.utils import fsync_dir
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class SaveStats:
+    step: int
+    snapshot_seconds: float  # blocking part (in the caller's thread)
+    write_seconds: float  # background part: files, hashes, fsync, rename, retention
+    nbytes: int  # bytes written (model.safetensors + state.pt + manifest)
+    path: Path
+
+    @property
+    def total_seconds(self) -> float:
+        return self.snapshot_seconds + self.write_seconds
+
+
+class _Abandoned(Exception):
+    pass
+
+
+_PLAIN_LEAVES = (str, int, float, bool, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
+
+
+def _snapshot_obj(obj: Any, where: str) -> Any:
+    """Deep copy of a plain object tree, tensors detached and cloned to CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, _PLAIN_LEAVES):
+        return obj
+    if isinstance(obj, dict):
+        items = {k: _snapshot_obj(v, f"{where}[{k!r}]") for k, v in obj.items()}
+        return type(obj)(items) if type(obj) is not dict and _rebuildable(obj) else items
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        vals = [_snapshot_obj(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            raise TypeError(f"checkpoint object {where}: namedtuple {type(obj).__name__} is not loadable with weights_only; use a dict")
+        return type(obj)(vals) if type(obj) in (list, tuple, set, frozenset) else list(vals)
+    try:
+        import numpy as np
+
+        if isinstance(obj, np.generic):
+            return obj.item()
+    except ImportError:  # pragma: no cover
+        pass
+    raise TypeError(
+        f"checkpoint object {where} has type {type(obj).__module__}.{type(obj).__qualname__}; "
+        "state.pt only holds plain data (dict/list/tuple of str/int/float/bool/None/tensor) "
+        "so that it loads with torch.load(weights_only=True)"
+    )
+
+
+def _rebuildable(obj: dict) -> bool:
+    from collections import OrderedDict
+
+    return type(obj) is OrderedDict
+
+
+def _snapshot_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"checkpoint tensor {k!r} is a {type(t).__name__}, not a torch.Tensor")
+        out[k] = t.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class CheckpointManager:
+    """Writes checkpoints under `ckpt_dir` (see the module docstring).
+
+    Attributes: `last_committed_step` (int | None; initialised from an existing
+    ``latest`` link), `last_committed_path`, `last_stats` (SaveStats | None).
+    """
+
+    def __init__(
+        self,
+        ckpt_dir: Path,
+        keep_last: int,
+        async_save: bool = True,
+        test_delay_seconds: float = 0.0,
+        log: Log | None = None,
+        code_version: str | None = None,
+        clean_tmp: bool = True,
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError("keep_last must be >= 1")
+        self.ckpt_dir = Path(ckpt_dir)
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        self.keep_last = int(keep_last)
+        self.async_save = bool(async_save)
+        self.test_delay_seconds = float(test_delay_seconds)
+        self.log: Log = log or _stderr_log
+        self._code_version = code_version
+        self._thread: threading.Thread | None = None
+        self._pending_step: int | None = None
+        self._error: BaseException | None = None
+        self._abandon = threading.Event()
+        self._commit_lock = threading.Lock()
+        self.last_stats: SaveStats | None = None
+        latest = read_link(self.ckpt_dir, LATEST)
+        self.last_committed_path: Path | None = latest
+        self.last_committed_step: int | None = parse_step(latest.name) if latest else None
+        if clean_tmp:
+            self.clean_tmp()
+
+    # ------------------------------------------------------------------ public
+
+    def clean_tmp(self) -> list[Path]:
+        """Remove ``.tmp-*`` leftovers of crashed/abandoned saves. Call only when
+        no other process writes this directory (run.json guarantees that)."""
+        removed = []
+        for p in self.ckpt_dir.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    try:
+                        p.unlink()
+                    except FileNotFoundError:
+                        pass
+                removed.append(p)
+        if removed:
+            self.log(f"checkpoint: removed {len(removed)} leftover temp entr{'y' if len(removed) == 1 else 'ies'}: "
+                     + ", ".join(p.name for p in removed))
+        return removed
+
+    @property
+    def busy(self) -> bool:
+        """True while a background write is in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(
+        self,
+        step: int,
+        tensors: dict[str, torch.Tensor],
+        objects: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Snapshot now, write + commit ``step-NNNNNNNN`` (in the background if async_save)."""
+        if self._abandon.is_set():
+            raise CheckpointError("checkpoint manager was abandoned; no further saves")
+        self.wait()
+        t0 = time.perf_counter()
+        snap_t = _snapshot_tensors(tensors)
+        snap_o = _snapshot_obj(dict(objects or {}), "objects")
+        meta = json.loads(json.dumps(meta or {}))  # deep copy + proves it is JSON-serialisable
+        if any(t.is_cuda for t in tensors.values()) and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        snapshot_s = time.perf_counter() - t0
+        args = (int(step), snap_t, snap_o, meta, snapshot_s)
+        if self.async_save:
+            self._pending_step = int(step)
+            self._thread = threading.Thread(target=self._write_guarded, args=args, name="checkpoint-writer", daemon=True)
+            self._thread.start()
+        else:
+            self._write_guarded(*args)
+            self._raise_error()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the in-flight write finishes; re-raise its failure as
+        CheckpointError. Returns False only if `timeout` expired first."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+            if t.is_alive():
+                return False
+            self._thread = None
+            self._pending_step = None
+        self._raise_error()
+        return True
+
+    def abandon(self, timeout: float = 5.0) -> None:
+        """Stop the save in progress without committing it (second signal).
+
+        After this returns no new ``step-*`` directory or ``latest`` change
+        will appear from this manager: a commit already under way finishes
+        (it is complete), anything else is discarded at the writer's next
+        check (between files) and its ``.tmp-*`` directory removed; if the
+        writer is still inside a file write after `timeout` seconds the
+        ``.tmp-*`` directory is left for the next start to clean.
+        """
+        self._abandon.set()
+        got = self._commit_lock.acquire(timeout=max(timeout, 0.1))
+        if got:
+            self._commit_lock.release()
+        t = self._thread
+        if t is not None and t.is_alive():
+            t.join(timeout)
+            state = "still writing (its .tmp dir is ignored and cleaned on next start)" if t.is_alive() else "discarded"
+            self.log(f"checkpoint: abandoned the save of step {self._pending_step}: {state}")
+
+    def mark_best(self, step: int) -> Path:
+        """Point ``best`` at ``step-NNNNNNNN`` (waits if that save is in flight)."""
+        if self._pending_step == step:
+            self.wait()
+        target = self.ckpt_dir / step_dir_name(step)
+        if not (target / MANIFEST_FILE).is_file():
+            raise CheckpointError(f"cannot mark step {step} best: {target} is not a committed checkpoint")
+        set_link(self.ckpt_dir, BEST, target)
+        return target
+
+    def close(self) -> None:
+        self.wait()
+
+    # ------------------------------------------------------------------ internals
+
+    def _raise_error(self) -> None:
+        err, self._error = self._error, None
+        if err is not None:
+            if isinstance(err, CheckpointError):
+                raise err
+            raise CheckpointError(f"checkpoint save failed: {type(err).__name__}: {err}") from err
+
+    def _check(self) -> None:
+        if self._abandon.is_set():
+            raise _Abandoned()
+
+    def _write_guarded(self, step: int, tensors, objects, meta, snapshot_s: float) -> None:
+        tmp = self.ckpt_dir / f"{TMP_PREFIX}{step_dir_name(step)}-{secrets.token_hex(4)}"
+        try:
+            self._write(tmp, step, tensors, objects, meta, snapshot_s)
+        except _Abandoned:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except BaseException as e:  # noqa: BLE001 - reported by wait()/save()
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._error = e
+            self.log(f"error: checkpoint step {step} failed: {type(e).__name__}: {e}")
+
+    def _write(self, tmp: Path, step: int, tensors, objects, meta, snapshot_s: float) -> None:
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        tmp.mkdir()
+        self._check()
+        model_path = tmp / MODEL_FILE
+        save_file(tensors, str(model_path), metadata={"format": "pt", "step": str(step)})
+        _fsync_file(model_path)
+        self._check()
+        state_path = tmp / STATE_FILE
+        with open(state_path, "wb") as f:
+            torch.save(objects, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self._check()
+        files = {}
+        for p in (model_path, state_path):
+            files[p.name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+            self._check()
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "code_version": meta.get("code_version") or self._get_code_version(),
+            "config_hash": meta.get("config_hash"),
+            "created_at": _now_iso(),
+            "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for k, t in tensors.items()},
+            "files": files,
+            "meta": meta,
+        }
+        with open(tmp / MANIFEST_FILE, "w") as f:
+            f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        if self.test_delay_seconds > 0:  # test only: widen the crash window
+            end = time.monotonic() + self.test_delay_seconds
+            while time.monotonic() < end:
+                self._check()
+                time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+        final = self.ckpt_dir / step_dir_name(step)
+        with self._commit_lock:
+            self._check()
+            replaced = None
+            if final.exists():  # same step saved again (e.g. after a resume): move the old one aside
+                replaced = self.ckpt_dir / f"{TMP_PREFIX}replaced-{final.name}-{secrets.token_hex(4)}"
+                os.rename(final, replaced)
+            os.rename(tmp, final)
+            fsync_dir(self.ckpt_dir)
+            set_link(self.ckpt_dir, LATEST, final)
+            self.last_committed_step = step
+            self.last_committed_path = final
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        self._retention(step, final)
+        write_s = time.perf_counter() - t0
+        nbytes = sum(f["size"] for f in files.values()) + (final / MANIFEST_FILE).stat().st_size
+        self.last_stats = SaveStats(step, snapshot_s, write_s, nbytes, final)
+        self.log(
+            f"checkpoint step {step}: snapshot {snapshot_s:.3f}s, write {write_s:.3f}s "
+            f"({nbytes / 1e6:.1f} MB{', async' if self.async_save else ''}) -> {final}"
+        )
+
+    def _get_code_version(self) -> str:
+        if self._code_version is None:
+            from dflash_train.utils import code_version
+
+            self._code_version = code_version()
+        return self._code_version
+
+    def _retention(self, new_step: int, new_path: Path) -> None:
+        entries = list_checkpoints(self.ckpt_dir)
+        protected = {new_path.resolve()}
+        best = read_link(self.ckpt_dir, BEST)
+        if best is not None:
+            protected.add(best.resolve())
+        complete_older = [p for s, p in reversed(entries) if s <= new_step and not verify_checkpoint(p, check_hashes=False)]
+        keep = protected | {p.resolve() for p in complete_older[: self.keep_last]}
+        for s, p in entries:
+            if p.resolve() in keep:
+                continue
+            if s > new_step:
+                why = f"newer than step {new_step} just saved (abandoned timeline after a resume)"
+            elif p not in complete_older:
+                why = "incomplete"
+            else:
+                why = f"keep_last={self.keep_last}"
+            gone = self.ckpt_dir / f"{TMP_PREFIX}delete-{p.name}-{secrets.token_hex(4)}"
+            try:
+                os.rename(p, gone)
+            except OSError as e:
+                self.log(f"warning: checkpoint retention could not remove {p}: {e}")
+                continue
+            shutil.rmtree(gone, ignore_errors=True)
+            self.log(f"checkpoint: removed {p.name} ({why})")

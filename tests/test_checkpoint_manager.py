@@ -1,0 +1,280 @@
+"""CheckpointManager / store: round trip, verification, fallback, crash safety, retention, abandon."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    capture_rng_state,
+    find_resumable,
+    list_checkpoints,
+    load_checkpoint,
+    read_link,
+    restore_rng_state,
+    verify_checkpoint,
+)
+
+PY = sys.executable
+
+
+def _model_and_opt(seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for _ in range(2):
+        m(torch.randn(3, 8)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return m, opt
+
+
+def _save(mgr, step, m=None, opt=None, **meta):
+    if m is None:
+        m, opt = _model_and_opt(step)
+    mgr.save(step, m.state_dict(), {"optimizer": opt.state_dict(), "step": step}, {"config_hash": "h1", **meta})
+    return m, opt
+
+
+def _steps(d):
+    return [s for s, _ in list_checkpoints(d)]
+
+
+def test_round_trip_verified_and_snapshot_semantics(tmp_path):
+    logs = []
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=3, async_save=True, log=logs.append, code_version="cv-test")
+    m, opt = _model_and_opt()
+    g = torch.Generator().manual_seed(7)
+    expected = {k: v.clone() for k, v in m.state_dict().items()}
+    mgr.save(12, m.state_dict(), {"optimizer": opt.state_dict(), "rng": capture_rng_state({"anchors": g}),
+                                  "data_order": {"epoch": 1, "pos": 37}}, {"config_hash": "abc", "tokens": 999})
+    with torch.no_grad():  # mutating right after save() returns must not leak into the checkpoint
+        for p in m.parameters():
+            p.add_(100.0)
+    mgr.wait()
+    path = tmp_path / "ck" / "step-00000012"
+    assert verify_checkpoint(path) == []
+    assert read_link(tmp_path / "ck", "latest") == path
+    assert mgr.last_committed_step == 12 and mgr.last_stats.step == 12 and mgr.last_stats.nbytes > 0
+    tensors, objects, manifest = load_checkpoint(path)
+    for k, v in expected.items():
+        assert torch.equal(tensors[k], v), k
+    assert manifest["step"] == 12 and manifest["config_hash"] == "abc" and manifest["code_version"] == "cv-test"
+    assert manifest["meta"]["tokens"] == 999 and manifest["format_version"] == 1
+    assert manifest["tensors"]["0.weight"] == {"shape": [16, 8], "dtype": "float32"}
+    assert set(manifest["files"]) == {"model.safetensors", "state.pt"}
+    assert all(len(f["sha256"]) == 64 for f in manifest["files"].values())
+    assert objects["data_order"] == {"epoch": 1, "pos": 37}
+    # the optimizer state restores into a fresh optimizer and matches
+    m2, _ = _model_and_opt(seed=1)
+    m2.load_state_dict(tensors)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    opt2.load_state_dict(objects["optimizer"])
+    st = opt.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], st)
+    # the rng state survives state.pt (weights_only load) and restores
+    restore_rng_state(objects["rng"], {"anchors": g})
+    # load via the run dir / checkpoints dir latest link too
+    assert load_checkpoint(tmp_path / "ck")[2]["step"] == 12
+    assert any("snapshot" in line and "write" in line for line in logs)
+
+
+def test_rng_round_trip_exact():
+    import random
+
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    state = capture_rng_state({"anchors": g})
+    draw = lambda: (random.random(), float(np.random.rand()), torch.rand(3).tolist(), torch.rand(3, generator=g).tolist())  # noqa: E731
+    first = draw()
+    restore_rng_state(state, {"anchors": g})
+    assert draw() == first
+    with pytest.raises(KeyError):
+        restore_rng_state(state, {})
+
+
+def test_sync_save_and_plain_objects_only(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2, async_save=False, log=lambda s: None, code_version="x")
+    m, opt = _model_and_opt()
+    with pytest.raises(TypeError, match=r"objects\['bad'\]"):
+        mgr.save(1, m.state_dict(), {"bad": object()}, {})
+    mgr.save(1, m.state_dict(), {"optimizer": opt.state_dict()}, {})
+    assert _steps(tmp_path) == [1]  # synchronous: committed when save returns
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_corrupted_newest_falls_back_with_warning(tmp_path):
+    d = tmp_path / "ck"
+    mgr = CheckpointManager(d, keep_last=5, log=lambda s: None, code_version="x")
+    for s in (10, 20, 30):
+        _save(mgr, s)
+    mgr.wait()
+    # step 30: flip one byte in the middle of the tensor file (same size)
+    f = d / "step-00000030" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    # step 20: truncated state.pt
+    s20 = d / "step-00000020" / "state.pt"
+    s20.write_bytes(s20.read_bytes()[:10])
+    warnings = []
+    assert find_resumable(d, warnings.append) == d / "step-00000010"
+    assert len(warnings) == 2
+    assert "step-00000030" in warnings[0] and "model.safetensors" in warnings[0] and "sha256" in warnings[0]
+    assert "step-00000020" in warnings[1] and "state.pt" in warnings[1]
+    with pytest.raises(CheckpointError, match=r"step-00000030/model.safetensors"):
+        load_checkpoint(d / "step-00000030")
+    # missing / garbage manifest
+    (d / "step-00000010" / "manifest.json").write_text("{not json")
+    assert "manifest.json" in verify_checkpoint(d / "step-00000010")[0]
+    assert find_resumable(d, warnings.append) is None
+    # .tmp-* dirs are never candidates
+    (d / ".tmp-step-00000099-abcd").mkdir()
+    assert find_resumable(d, lambda s: None) is None
+
+
+CRASH_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from pathlib import Path
+    from dflash_train.checkpoint import CheckpointManager
+    d = Path(sys.argv[1])
+    mgr = CheckpointManager(d, keep_last=1, async_save=True, log=lambda s: None, code_version="x")
+    t = {"w": torch.arange(1000, dtype=torch.float32)}
+    mgr.save(1, t, {"k": 1}, {})
+    mgr.wait()
+    mgr.test_delay_seconds = 60.0      # widen the window between "files written" and "commit"
+    mgr.save(2, {"w": t["w"] * 2}, {"k": 2}, {})
+    print("SAVING", flush=True)
+    mgr.wait()
+    print("COMMITTED", flush=True)
+    """
+)
+
+
+def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
+    d = tmp_path / "ck"
+    p = subprocess.Popen([PY, "-c", CRASH_SCRIPT, str(d)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "SAVING"
+        deadline = time.monotonic() + 60
+        # the manifest is the last file written before the (delayed) rename
+        while not list(d.glob(".tmp-step-00000002-*/manifest.json")):
+            assert time.monotonic() < deadline, "writer never reached the commit window"
+            assert p.poll() is None
+            time.sleep(0.02)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -signal.SIGKILL
+    assert read_link(d, "latest") == d / "step-00000001"
+    assert _steps(d) == [1]
+    assert find_resumable(d, lambda s: None) == d / "step-00000001"
+    tensors, objects, _ = load_checkpoint(d / "latest")
+    assert torch.equal(tensors["w"], torch.arange(1000, dtype=torch.float32)) and objects == {"k": 1}
+    # the leftover temp dir is cleaned by the next manager on this directory
+    assert list(d.glob(".tmp-*"))
+    CheckpointManager(d, keep_last=1, log=lambda s: None)
+    assert not list(d.glob(".tmp-*"))
+
+
+def test_retention_keep_last_best_and_abandoned_timeline(tmp_path):
+    d = tmp_path / "ck"
+    logs = []
+    mgr = CheckpointManager(d, keep_last=2, log=logs.append, code_version="x")
+    _save(mgr, 1)
+    mgr.wait()
+    assert _steps(d) == [1]
+    _save(mgr, 2)
+    mgr.mark_best(2)  # waits for step 2 to commit
+    for s in (3, 4, 5):
+        _save(mgr, s)
+    mgr.wait()
+    assert _steps(d) == [2, 4, 5]  # last 2 + best
+    assert read_link(d, "best") == d / "step-00000002"
+    assert read_link(d, "latest") == d / "step-00000005"
+    assert any("removed step-00000003" in line and "keep_last=2" in line for line in logs)
+    # a resume from step 4 followed by a save at 5 again, then 6: the old step-5 is replaced
+    _save(mgr, 5, note="second timeline")
+    mgr.wait()
+    assert json.loads((d / "step-00000005" / "manifest.json").read_text())["meta"]["note"] == "second timeline"
+    # resumed from an older checkpoint: higher steps are an abandoned timeline and go
+    mgr2 = CheckpointManager(d, keep_last=1, log=logs.append, code_version="x")
+    _save(mgr2, 3)
+    mgr2.wait()
+    assert _steps(d) == [2, 3]  # 4, 5 removed; best kept; keep_last=1
+    assert find_resumable(d, lambda s: None) == d / "step-00000003"
+    with pytest.raises(CheckpointError):
+        mgr2.mark_best(99)
+
+
+def test_retention_never_deletes_only_valid(tmp_path):
+    d = tmp_path / "ck"
+    mgr = CheckpointManager(d, keep_last=1, log=lambda s: None, code_version="x")
+    _save(mgr, 1)
+    mgr.wait()
+    # a broken (incomplete) checkpoint dir with a lower step, e.g. copied by hand
+    broken = d / "step-00000000"
+    broken.mkdir()
+    (broken / "model.safetensors").write_bytes(b"xx")
+    _save(mgr, 2)
+    mgr.wait()
+    assert _steps(d) == [2]
+    assert verify_checkpoint(d / "step-00000002") == []
+    assert find_resumable(d, lambda s: None) == d / "step-00000002"
+
+
+def test_abandon_discards_in_flight_save(tmp_path):
+    d = tmp_path / "ck"
+    logs = []
+    mgr = CheckpointManager(d, keep_last=2, log=logs.append, code_version="x")
+    _save(mgr, 1)
+    mgr.wait()
+    mgr.test_delay_seconds = 30.0
+    _save(mgr, 2)
+    deadline = time.monotonic() + 30
+    while not list(d.glob(".tmp-step-00000002-*/manifest.json")):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    mgr.abandon(timeout=10)
+    assert time.monotonic() - t0 < 10  # returned well before the 30 s delay (hang guard, not speed)
+    assert not mgr.busy
+    assert _steps(d) == [1] and read_link(d, "latest") == d / "step-00000001"
+    assert not list(d.glob(".tmp-step-*"))
+    assert any("abandoned" in line for line in logs)
+    with pytest.raises(CheckpointError, match="abandoned"):
+        _save(mgr, 3)
+
+
+def test_background_failure_is_reported(tmp_path, monkeypatch):
+    import dflash_train.checkpoint.manager as manager
+
+    d = tmp_path / "ck"
+    logs = []
+    mgr = CheckpointManager(d, keep_last=2, log=logs.append, code_version="x")
+
+    def boom(path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(manager, "sha256_file", boom)
+    _save(mgr, 1)
+    with pytest.raises(CheckpointError, match="No space left"):
+        mgr.wait()
+    assert _steps(d) == [] and not list(d.glob(".tmp-*")) and read_link(d, "latest") is None
+    assert any(line.startswith("error: checkpoint step 1 failed") for line in logs)
+    mgr.wait()  # reported once
