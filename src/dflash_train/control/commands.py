@@ -1,0 +1,259 @@
+"""`dflash-train status` and `dflash-train stop`.
+
+Local logic lives in functions taking a run_dir (`status_info`, `stop_run`);
+with ``--via`` hops the same subcommand is run on the far host through
+`dflash_train.deploy.remote.remote_call` (the far side runs this module
+locally), and its output and exit code are passed through unchanged.
+
+status exit codes: 0 live (pid verified against the recorded start time),
+3 not live (no run.json, process gone, pid reused, run released), 2 usage
+error (run dir missing). ``--json`` prints one JSON object (see `status_info`).
+
+stop exit codes:
+  0  the process exited and a verified checkpoint exists at its final step
+     (run.json ``step`` after exit == step of ``checkpoints/latest``);
+     prints ``stopped at step N, checkpoint step-NNNNNNNN``
+  1  not confirmed: still running after --timeout (``still running after T s``;
+     with --force it is then SIGKILLed and that is said), or it exited but no
+     valid checkpoint exists at its final step
+  2  refused: no run.json, the run is not live, the pid was reused by another
+     process, the record is from another host, or a bad --signal
+The trainer is never SIGKILLed unless force=True.
+
+Contract with the trainer: on exit it calls
+``RunRecord.release(last_checkpoint=<committed dir>, step=<final step>)`` after
+``CheckpointManager.wait()``.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import psutil
+
+from dflash_train.checkpoint.store import LATEST, parse_step, read_link, verify_checkpoint
+from dflash_train.control.run_record import liveness, metrics_summary, read_record
+
+EXIT_LIVE = 0
+EXIT_NOT_LIVE = 3
+EXIT_USAGE = 2
+STOP_OK, STOP_NOT_CONFIRMED, STOP_REFUSED = 0, 1, 2
+
+_SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM}
+
+
+def _err(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- status
+
+
+def status_info(run_dir: Path) -> dict[str, Any]:
+    """Everything `status` shows, as a JSON-able dict.
+
+    Keys: run_dir, live, reason, pid, hostname, started_at, updated_at,
+    ended_at, step, loss, tokens_per_s (last logged interval; from
+    metrics.jsonl, else run.json), last_checkpoint (run.json),
+    latest_checkpoint (checkpoints/latest target) + latest_checkpoint_step,
+    code_version, config_hash, argv, checked_on (this hostname).
+    """
+    run_dir = Path(run_dir)
+    rec = read_record(run_dir) or {}
+    live, reason = liveness(rec or None)
+    ms = metrics_summary(run_dir)
+    steps = [s for s in (rec.get("step"), ms.get("step")) if isinstance(s, int)]
+    latest = read_link(run_dir / "checkpoints", LATEST)
+    tps = ms.get("tokens_per_s")
+    if tps is None:
+        tps = rec.get("tokens_per_s")
+    return {
+        "run_dir": str(run_dir),
+        "live": live,
+        "reason": reason,
+        "pid": rec.get("pid"),
+        "hostname": rec.get("hostname"),
+        "started_at": rec.get("started_at"),
+        "updated_at": rec.get("updated_at"),
+        "ended_at": rec.get("ended_at"),
+        "step": max(steps) if steps else None,
+        "loss": ms.get("loss"),
+        "tokens_per_s": tps,
+        "last_checkpoint": rec.get("last_checkpoint"),
+        "latest_checkpoint": str(latest) if latest else None,
+        "latest_checkpoint_step": parse_step(latest.name) if latest else None,
+        "code_version": rec.get("code_version"),
+        "config_hash": rec.get("config_hash"),
+        "argv": rec.get("argv"),
+        "checked_on": socket.gethostname(),
+    }
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.4g}"
+    if isinstance(v, list):
+        return " ".join(map(str, v))
+    return str(v)
+
+
+def status_command(run_dir: Path, via: Sequence[str], as_json: bool) -> int:
+    if via:
+        from dflash_train.deploy.remote import remote_call
+
+        return remote_call(list(via), ["status", str(run_dir)] + (["--json"] if as_json else []), timeout=120)
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        _err(f"run dir not found: {run_dir}")
+        return EXIT_USAGE
+    info = status_info(run_dir)
+    code = EXIT_LIVE if info["live"] else EXIT_NOT_LIVE
+    if as_json:
+        print(json.dumps(info, sort_keys=True), flush=True)
+        return code
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"dflash-train run {run_dir}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    state = "[green]LIVE[/green]" if info["live"] else "[red]not live[/red]"
+    t.add_row("state", f"{state} ({info['reason']})")
+    for key, label in [
+        ("pid", "pid"), ("hostname", "host"), ("step", "step"), ("tokens_per_s", "tokens/s (last interval)"),
+        ("loss", "loss"), ("last_checkpoint", "last checkpoint"), ("latest_checkpoint", "checkpoints/latest"),
+        ("code_version", "code version"), ("config_hash", "config hash"), ("started_at", "started"),
+        ("updated_at", "updated"), ("ended_at", "ended"), ("argv", "argv"),
+    ]:
+        if key == "ended_at" and info[key] is None:
+            continue
+        t.add_row(label, _fmt(info[key]))
+    Console(soft_wrap=True).print(t)
+    return code
+
+
+# --------------------------------------------------------------------------- stop
+
+
+@dataclass
+class StopResult:
+    code: int  # 0 confirmed, 1 not confirmed, 2 refused
+    message: str
+    pid: int | None = None
+    step: int | None = None
+    checkpoint: str | None = None
+    exited: bool = False
+    forced: bool = False
+    waited_s: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _parse_signal(name: str) -> signal.Signals | None:
+    key = str(name).strip().upper().removeprefix("SIG")
+    return _SIGNALS.get(key)
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return (not proc.is_running()) or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def stop_run(
+    run_dir: Path,
+    timeout: float = 120.0,
+    signal_name: str = "INT",
+    force: bool = False,
+    log: Callable[[str], None] | None = None,
+    poll_s: float = 0.1,
+) -> StopResult:
+    """Signal the verified trainer of `run_dir`, wait, confirm its checkpoint."""
+    log = log or (lambda m: print(m, flush=True))
+    run_dir = Path(run_dir)
+    sig = _parse_signal(signal_name)
+    if sig is None:
+        return StopResult(STOP_REFUSED, f"unknown --signal {signal_name!r}; use INT or TERM")
+    rec = read_record(run_dir)
+    if rec is None:
+        return StopResult(STOP_REFUSED, f"no run.json in {run_dir}: nothing to stop (is this a run dir?)")
+    live, why = liveness(rec)
+    pid = rec.get("pid")
+    last = rec.get("last_checkpoint")
+    if not live:
+        return StopResult(STOP_REFUSED, f"refusing to stop: the run is not live ({why}); last checkpoint: {last or 'none'}", pid=pid)
+    if rec.get("hostname") not in (None, socket.gethostname()):
+        return StopResult(STOP_REFUSED, f"refusing to stop: the run is on host {rec.get('hostname')}, not this one "
+                                        f"({socket.gethostname()}); use --via to reach it", pid=pid)
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - float(rec["create_time"])) > 1.0:  # re-check right before signalling
+            return StopResult(STOP_REFUSED, f"refusing to stop: pid {pid} was reused by another process", pid=pid)
+        step0 = rec.get("step")
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        return StopResult(STOP_REFUSED, f"refusing to stop: pid {pid} exited just now; last checkpoint: {last or 'none'}", pid=pid)
+    t0 = time.monotonic()
+    log(f"sent {sig.name} to pid {pid} (step {step0}); waiting up to {timeout:g}s for it to checkpoint and exit")
+    while not _gone(proc) and time.monotonic() - t0 < timeout:
+        time.sleep(poll_s)
+    waited = time.monotonic() - t0
+    if not _gone(proc):
+        cur = (read_record(run_dir) or {}).get("step")
+        if not force:
+            return StopResult(STOP_NOT_CONFIRMED, f"still running after {timeout:g} s (pid {pid}, step {cur}); not killed "
+                                                  "(use --force to SIGKILL after the timeout)", pid=pid, step=cur, waited_s=waited)
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+        t1 = time.monotonic()
+        while not _gone(proc) and time.monotonic() - t1 < 10:  # poll, never reap: it may be someone's child
+            time.sleep(poll_s)
+        latest = read_link(run_dir / "checkpoints", LATEST)
+        return StopResult(STOP_NOT_CONFIRMED, f"still running after {timeout:g} s; sent SIGKILL (--force) to pid {pid}; "
+                                              f"a resume will use the last committed checkpoint: {latest.name if latest else 'none'}",
+                          pid=pid, step=cur, checkpoint=str(latest) if latest else None, exited=_gone(proc), forced=True, waited_s=waited)
+    rec2 = read_record(run_dir) or {}
+    step = rec2.get("step")
+    latest = read_link(run_dir / "checkpoints", LATEST)
+    latest_step = parse_step(latest.name) if latest else None
+    crashed = " (it exited without releasing run.json: crash?)" if rec2.get("live") else ""
+    if latest is None:
+        return StopResult(STOP_NOT_CONFIRMED, f"process exited at step {step} but no checkpoint was committed{crashed}",
+                          pid=pid, step=step, exited=True, waited_s=waited)
+    if step is None or latest_step != step:
+        return StopResult(STOP_NOT_CONFIRMED, f"process exited at step {step} but checkpoints/latest is {latest.name} "
+                                              f"(no checkpoint at the stop step){crashed}",
+                          pid=pid, step=step, checkpoint=str(latest), exited=True, waited_s=waited)
+    problems = verify_checkpoint(latest)
+    if problems:
+        return StopResult(STOP_NOT_CONFIRMED, f"process exited at step {step} but {latest.name} fails verification: "
+                                              + "; ".join(problems[:3]), pid=pid, step=step, checkpoint=str(latest),
+                          exited=True, waited_s=waited)
+    return StopResult(STOP_OK, f"stopped at step {step}, checkpoint {latest.name}", pid=pid, step=step,
+                      checkpoint=str(latest), exited=True, waited_s=waited)
+
+
+def stop_command(run_dir: Path, via: Sequence[str], timeout: float, signal_name: str, force: bool) -> int:
+    if via:
+        from dflash_train.deploy.remote import remote_call
+
+        argv = ["stop", str(run_dir), "--timeout", str(timeout), "--signal", str(signal_name)] + (["--force"] if force else [])
+        return remote_call(list(via), argv, timeout=timeout + 120)
+    res = stop_run(Path(run_dir), timeout, signal_name, force)
+    if res.code == STOP_REFUSED:
+        _err(res.message)
+    else:
+        print(res.message, flush=True)
+    return res.code
