@@ -18,12 +18,7 @@ app = typer.Typer(
 )
 
 
-class UserError(Exception):
-    """A mistake the user can fix; printed without a traceback, exit 2."""
-
-
-class NotBuilt(UserError):
-    pass
+from dflash_train.errors import UserError  # noqa: E402  (re-exported: modules raise cli.UserError)
 
 
 def _fail(msg: str, code: int = 2) -> None:

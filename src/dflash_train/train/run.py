@@ -28,7 +28,10 @@ log = logging.getLogger("dflash_train")
 STATE_FORMAT = 1
 
 
-class TrainError(RuntimeError):
+from dflash_train.errors import UserError  # noqa: E402
+
+
+class TrainError(UserError):
     """A run cannot start or continue for a reason the user can act on."""
 
 

@@ -1,0 +1,150 @@
+"""Training as a user runs it: real subprocesses, real signals, real files.
+
+The core promise: a run stopped with SIGTERM at any step and resumed logs the
+same `loss` values, bit for bit, as a run that was never interrupted."""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+
+import pytest
+import yaml
+
+from trainrun import losses, metrics, run_train, signal_and_wait, start_train, tiny_overrides, wait_for, wait_step
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_factory, tmp_path_factory):
+    from conftest import write_tiny_jsonl
+
+    root = tmp_path_factory.mktemp("train")
+    jsonl = write_tiny_jsonl(root / "conv.jsonl", n=40)
+    return tiny_target_factory("qwen3"), jsonl, root
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    target, jsonl, root = setup
+    rd = root / "reference"
+    res = run_train(rd, tiny_overrides(target, jsonl))
+    assert res.returncode == 0, res.stdout + res.stderr
+    return rd
+
+
+def test_run_dir_layout_and_metrics(reference):
+    rd = reference
+    cfg = yaml.safe_load((rd / "config.yaml").read_text())
+    assert cfg["train"]["max_steps"] == 8
+    recs = metrics(rd)
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    for r in recs:
+        assert math.isfinite(r["loss"]) and r["loss"] > 0
+        for key in ("lr", "grad_norm", "expected_tau", "tokens_per_s", "samples_per_s", "acc_1", "acc_3",
+                    "target_busy", "trainer_busy", "trainer_wait", "queue_occupancy"):
+            assert key in r, key
+    # full precision: the JSON float round-trips to the same double
+    assert isinstance(recs[0]["loss"], float) and len(repr(recs[0]["loss"])) > 8
+    ck = rd / "checkpoints"
+    assert (ck / "step-00000004" / "manifest.json").is_file()
+    assert (ck / "step-00000008" / "manifest.json").is_file()
+    assert (ck / "latest").resolve().name == "step-00000008"
+    run = json.loads((rd / "run.json").read_text())
+    assert run["live"] is False and run["step"] == 8 and run["last_checkpoint"] == "step-00000008"
+    assert (rd / "logs" / "train.log").is_file()
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 6])
+def test_sigterm_then_resume_is_bit_exact(setup, reference, stop_after):
+    target, jsonl, root = setup
+    rd = root / f"stop{stop_after}"
+    proc = start_train(rd, tiny_overrides(target, jsonl), root / f"stop{stop_after}.log")
+    wait_step(rd, stop_after, proc)
+    assert signal_and_wait(proc, signal.SIGTERM) == 0, (root / f"stop{stop_after}.log").read_text()
+    stopped = max(losses(rd))
+    assert stopped < 8, "the run finished before the signal; the test proves nothing"
+    latest = (rd / "checkpoints" / "latest").resolve().name
+    assert latest == f"step-{stopped:08d}"
+    run = json.loads((rd / "run.json").read_text())
+    assert run["live"] is False and run["last_checkpoint"] == latest
+    res = run_train(rd, tiny_overrides(target, jsonl))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert losses(rd) == losses(reference)  # exact float equality, every step
+
+
+def test_resume_falls_back_when_newest_checkpoint_is_corrupt(setup, reference, tmp_path):
+    import shutil
+
+    target, jsonl, root = setup
+    rd = tmp_path / "corrupt"
+    res = run_train(rd, tiny_overrides(target, jsonl, **{"train.max_steps": 8}))
+    assert res.returncode == 0
+    # corrupt the newest checkpoint; resuming to 8 must fall back to step 4 and redo 5..8
+    newest = rd / "checkpoints" / "step-00000008" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-10] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    shutil.copy(rd / "metrics.jsonl", tmp_path / "before.jsonl")
+    res = run_train(rd, tiny_overrides(target, jsonl, **{"train.max_steps": 8}))
+    assert res.returncode == 0, res.stderr
+    assert "step-00000008" in res.stderr and "step-00000004" in res.stderr
+    assert losses(rd) == losses(reference)
+
+
+def test_second_signal_abandons_save_and_exits_130(setup, tmp_path):
+    target, jsonl, _ = setup
+    rd = tmp_path / "abort"
+    log = tmp_path / "abort.log"
+    over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000, "checkpoint.every_steps": 1000,
+                                            "checkpoint.test_delay_seconds": 30})
+    proc = start_train(rd, over, log)
+    wait_step(rd, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    # the stop checkpoint is being written (the delay holds it before commit)
+    wait_for(lambda: any(p.name.startswith(".tmp-") for p in (rd / "checkpoints").iterdir()), 60,
+             what="checkpoint write to start")
+    assert signal_and_wait(proc, signal.SIGTERM, timeout=60) == 130
+    assert not list((rd / "checkpoints").glob("step-*")), "a half-written checkpoint became visible"
+    assert not (rd / "checkpoints" / "latest").exists()
+
+
+def test_third_signal_exits_at_once(setup, tmp_path):
+    target, jsonl, _ = setup
+    rd = tmp_path / "third"
+    over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000, "checkpoint.every_steps": 1000,
+                                            "checkpoint.test_delay_seconds": 60})
+    proc = start_train(rd, over, tmp_path / "third.log")
+    wait_step(rd, 1, proc)
+    for _ in range(3):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    assert proc.wait(30) == 130
+
+
+def test_signal_before_first_step(setup, tmp_path):
+    target, jsonl, _ = setup
+    rd = tmp_path / "early"
+    proc = start_train(rd, tiny_overrides(target, jsonl), tmp_path / "early.log")
+    wait_for(lambda: (rd / "run.json").exists(), 60, what="run.json")
+    assert signal_and_wait(proc, signal.SIGTERM) == 0, (tmp_path / "early.log").read_text()
+    run = json.loads((rd / "run.json").read_text())
+    assert run["live"] is False
+    # whatever step it reached, a resume completes the run
+    res = run_train(rd, tiny_overrides(target, jsonl))
+    assert res.returncode == 0, res.stderr
+    assert sorted(losses(rd)) == list(range(1, 9))
+
+
+def test_second_trainer_on_live_run_dir_is_refused(setup, tmp_path):
+    target, jsonl, _ = setup
+    rd = tmp_path / "busy"
+    over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000})
+    proc = start_train(rd, over, tmp_path / "busy.log")
+    try:
+        wait_step(rd, 1, proc)
+        res = run_train(rd, over, timeout=120)
+        assert res.returncode == 2
+        assert "in use by a live trainer" in res.stderr and "Traceback" not in res.stderr
+    finally:
+        signal_and_wait(proc, signal.SIGTERM)

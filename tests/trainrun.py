@@ -1,0 +1,95 @@
+"""Helpers for tests that drive `dflash-train train` as a user would: a real
+subprocess, real signals, real files."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_overrides(target_dir: Path, jsonl: Path, **extra) -> list[str]:
+    base = {
+        "target.path": str(target_dir),
+        "data.source": f"jsonl:{jsonl}",
+        "data.limit": 64,
+        "data.max_tokens": 64,
+        "data.heldout_fraction": 0.1,
+        "data.cache_dir": str(jsonl.parent / "data-cache"),
+        "model.num_layers": 1,
+        "model.block_size": 4,
+        "train.max_steps": 8,
+        "train.batch_size": 2,
+        "train.num_anchors": 4,
+        "train.lr": 3e-3,
+        "train.warmup_fraction": 0.1,
+        "logging.every_steps": 1,
+        "logging.tensorboard": False,
+        "logging.progress": "plain",
+        "checkpoint.every_steps": 4,
+        "checkpoint.keep_last": 3,
+        "pipeline.queue_depth": 2,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def train_cmd(run_dir: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "dflash_train.cli", "train", "--run-dir", str(run_dir), *overrides]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONUNBUFFERED"] = "1"
+    e["OMP_NUM_THREADS"] = "1"  # deterministic and polite on 2 shared cores
+    return e
+
+
+def run_train(run_dir: Path, overrides: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(train_cmd(run_dir, overrides), capture_output=True, text=True, timeout=timeout,
+                          env=env(), cwd=REPO)
+
+
+def start_train(run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+    f = open(log, "w")
+    return subprocess.Popen(train_cmd(run_dir, overrides), stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    p = run_dir / "metrics.jsonl"
+    if not p.exists():
+        return []
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if not r.get("eval")}
+
+
+def wait_for(pred, timeout: float = 120, interval: float = 0.05, what: str = "condition"):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def wait_step(run_dir: Path, step: int, proc: subprocess.Popen | None = None, timeout: float = 180) -> None:
+    def ok():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"trainer exited early with {proc.returncode}")
+        return any(r.get("step", 0) >= step for r in metrics(run_dir))
+
+    wait_for(ok, timeout, what=f"step {step}")
+
+
+def signal_and_wait(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 120) -> int:
+    proc.send_signal(sig)
+    return proc.wait(timeout)
