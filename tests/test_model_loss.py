@@ -193,9 +193,11 @@ def test_chunked_equals_unchunked_and_naive():
     t, d, ids, lm, docs, feats = setup_loss()
     anchors = sample_anchors(lm, docs, 9, 4, torch.Generator().manual_seed(0))
     results = []
-    for chunk in (1, 2, 1000):
+    # chunks of 1, 2, all blocks, and 7 rows (element cap; chunks cross block boundaries)
+    for chunk, cap in ((1, 1 << 25), (2, 1 << 25), (1000, 1 << 25), (1000, 7 * 50)):
         d.zero_grad()
-        out = dflash_loss(d, t, ids, lm, docs, feats, 9, None, gamma=3.0, chunk_blocks=chunk, anchors=anchors)
+        out = dflash_loss(d, t, ids, lm, docs, feats, 9, None, gamma=3.0, chunk_blocks=chunk, anchors=anchors,
+                          max_chunk_logits=cap)
         (2.0 * out.loss).backward()  # a scaled upstream gradient must pass through
         results.append((out, grads(d)))
     d.zero_grad()
@@ -243,3 +245,15 @@ def test_padding_only_batch_is_finite():
     assert out.loss.item() == 0.0 and out.num_blocks.item() == 0 and out.count.sum().item() == 0
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in d.parameters())
+
+
+def test_logits_never_materialised_at_once():
+    """The lm_head only ever sees one chunk of rows: peak memory follows the chunk, not anchors x bs x vocab."""
+    t, d, ids, lm, docs, feats = setup_loss()
+    seen = []
+    real = t.logits
+    t.logits = lambda h: (seen.append(h.shape[0]), real(h))[1]
+    out = dflash_loss(d, t, ids, lm, docs, feats, 9, torch.Generator().manual_seed(0), chunk_blocks=2)
+    out.loss.backward()
+    n = 2 * 9 * 3
+    assert max(seen) == 2 * 3 and sum(seen) == n  # one forward pass over every row, 2 blocks at a time

@@ -13,7 +13,6 @@ gradient of each chunk w.r.t. the drafter hidden is computed in the forward
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -161,25 +160,12 @@ def _subset_logits_fn(target, vocab_subset: torch.Tensor):
     return fn
 
 
-def chunked_weighted_ce(hidden, labels, weights, target, chunk_rows, vocab_subset=None):
-    """hidden [N, H], labels [N], weights [N] -> (sum w*CE (grad to hidden), correct [N] bool).
-
-    vocab_subset: LongTensor of allowed ids; the softmax is over those ids only, labels
-    outside weigh 0 (and count as wrong for accuracy).
-    """
-    need_grad = torch.is_grad_enabled() and hidden.requires_grad
-    if vocab_subset is None:
-        return _ChunkedCE.apply(hidden, labels, weights, chunk_rows, target.logits, need_grad)
-    V = int(target.lm_head_weight.shape[0])
-    subset = vocab_subset.to(hidden.device).long()
-    lookup = torch.full((V,), -1, dtype=torch.long, device=hidden.device)
-    lookup[subset] = torch.arange(subset.numel(), device=hidden.device)
-    sub_labels = lookup[labels]
-    sub_weights = weights * (sub_labels >= 0)
-    total, correct = _ChunkedCE.apply(
-        hidden, sub_labels, sub_weights, chunk_rows, _subset_logits_fn(target, subset), need_grad
-    )
-    return total, correct & (sub_labels >= 0)
+def subset_labels(labels: torch.Tensor, vocab_subset: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Full-vocab labels -> indices into vocab_subset; -1 where the label is outside it."""
+    subset = vocab_subset.to(labels.device).long()
+    lookup = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
+    lookup[subset] = torch.arange(subset.numel(), device=labels.device)
+    return lookup[labels]
 
 
 def dflash_loss(
@@ -196,10 +182,15 @@ def dflash_loss(
     vocab_subset: torch.Tensor | None = None,
     backend: str | None = None,
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_chunk_logits: int = 1 << 25,
 ) -> LossOutput:
     """The DFlash training loss of one batch ([B, T] rows, features [B, T, K*H]).
 
     anchors: optional precomputed (anchors, valid) (tests); else sampled with `generator`.
+    backend: attention backend for the drafter ("sdpa" | "flex"; default flex on CUDA).
+    vocab_subset: LongTensor of allowed ids; the softmax runs over those only, labels
+    outside weigh 0 and count as misses in `correct`.
+    max_chunk_logits: cap on one chunk's logits elements (memory bound for huge vocabularies).
     No host syncs: correct/count/num_blocks stay device tensors.
     """
     cfg = drafter.cfg
@@ -223,13 +214,20 @@ def dflash_loss(
     h = hidden.view(B, A, bs, H)[:, :, 1:].reshape(-1, H)  # block positions 1..bs-1
     flat_labels = labels.reshape(-1)
     flat_w = weights.reshape(-1)
-    total, correct = chunked_weighted_ce(h, flat_labels, flat_w, target, max(1, chunk_blocks) * (bs - 1), vocab_subset)
-    weight_sum = flat_w.sum() if vocab_subset is None else None
-    if weight_sum is None:
-        V = int(target.lm_head_weight.shape[0])
-        inside = torch.zeros(V, dtype=torch.bool, device=dev)
-        inside[vocab_subset.to(dev).long()] = True
-        weight_sum = (flat_w * inside[flat_labels]).sum()
+    if vocab_subset is None:
+        ce_labels, logits_fn = flat_labels, target.logits
+    else:
+        ce_labels = subset_labels(flat_labels, vocab_subset, int(target.lm_head_weight.shape[0]))
+        logits_fn = _subset_logits_fn(target, vocab_subset.to(dev).long())
+    flat_w = flat_w * (ce_labels >= 0)  # labels outside the subset weigh 0
+    # chunk = chunk_blocks blocks, made smaller if needed so one chunk's logits stay
+    # under max_chunk_logits elements (262K vocab x 64 blocks x 15 would be 1 GB fp32)
+    V = int(target.lm_head_weight.shape[0]) if vocab_subset is None else int(vocab_subset.numel())
+    rows = max(1, min(max(1, chunk_blocks) * (bs - 1), max_chunk_logits // max(1, V)))
+    need_grad = torch.is_grad_enabled() and h.requires_grad
+    total, correct = _ChunkedCE.apply(h, ce_labels, flat_w, rows, logits_fn, need_grad)
+    correct = correct & (ce_labels >= 0)  # out-of-subset labels count as misses
+    weight_sum = flat_w.sum()
     # clamp: a batch with nothing supervised gives loss 0 (not NaN); the trainer can skip it
     loss = total / weight_sum.clamp(min=1e-12)
     sup = supervised.view(B * A, bs - 1)
