@@ -51,8 +51,9 @@ def _steps(d):
 
 
 def test_round_trip_verified_and_snapshot_semantics(tmp_path):
-    logs = []
-    mgr = CheckpointManager(tmp_path / "ck", keep_last=3, async_save=True, log=logs.append, code_version="cv-test")
+    logs, commits = [], []
+    mgr = CheckpointManager(tmp_path / "ck", keep_last=3, async_save=True, log=logs.append, code_version="cv-test",
+                            on_commit=lambda s, p: commits.append((s, p)))
     m, opt = _model_and_opt()
     g = torch.Generator().manual_seed(7)
     expected = {k: v.clone() for k, v in m.state_dict().items()}
@@ -66,6 +67,7 @@ def test_round_trip_verified_and_snapshot_semantics(tmp_path):
     assert verify_checkpoint(path) == []
     assert read_link(tmp_path / "ck", "latest") == path
     assert mgr.last_committed_step == 12 and mgr.last_stats.step == 12 and mgr.last_stats.nbytes > 0
+    assert commits == [(12, path)]
     tensors, objects, manifest = load_checkpoint(path)
     for k, v in expected.items():
         assert torch.equal(tensors[k], v), k
@@ -109,8 +111,12 @@ def test_sync_save_and_plain_objects_only(tmp_path):
     m, opt = _model_and_opt()
     with pytest.raises(TypeError, match=r"objects\['bad'\]"):
         mgr.save(1, m.state_dict(), {"bad": object()}, {})
-    mgr.save(1, m.state_dict(), {"optimizer": opt.state_dict()}, {})
+    sd = dict(m.state_dict(), half=torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t())  # non-contiguous bf16
+    mgr.save(1, sd, {"optimizer": opt.state_dict()}, {})
     assert _steps(tmp_path) == [1]  # synchronous: committed when save returns
+    tensors, _, manifest = load_checkpoint(tmp_path / "step-00000001")
+    assert tensors["half"].dtype == torch.bfloat16 and torch.equal(tensors["half"], sd["half"])
+    assert manifest["tensors"]["half"] == {"shape": [3, 2], "dtype": "bfloat16"}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 

@@ -190,3 +190,15 @@ def test_profile_live_process(tmp_path, capsys):
         assert profile_command(run_dir, 1.0, tmp_path / "prof2") == 2
     finally:
         _cleanup(p)
+
+
+def test_via_forwards_to_remote_call(monkeypatch, tmp_path):
+    import dflash_train.deploy.remote as remote
+
+    calls = []
+    monkeypatch.setattr(remote, "remote_call", lambda via, argv, timeout=None: calls.append((via, argv, timeout)) or 7)
+    assert status_command(Path("/far/run"), ["ssh://u@h", "pct:200"], True) == 7
+    assert stop_command(Path("/far/run"), ["docker:c"], 30.0, "TERM", True) == 7
+    assert calls[0][:2] == (["ssh://u@h", "pct:200"], ["status", "/far/run", "--json"])
+    assert calls[1][:2] == (["docker:c"], ["stop", "/far/run", "--timeout", "30.0", "--signal", "TERM", "--force"])
+    assert calls[1][2] > 30.0

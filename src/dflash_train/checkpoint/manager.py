@@ -43,6 +43,10 @@ they belong to an abandoned timeline (the run was resumed from an older
 checkpoint) and must not win the next `find_resumable`. The only valid
 checkpoint is never removed because the just-committed one is always kept.
 
+`on_commit(step, path)` (optional) is called after each commit + retention,
+from the writer thread when async (e.g. ``lambda s, p:
+record.update(last_checkpoint=str(p))``; RunRecord.update is thread-safe).
+
 Timing: every save logs ``snapshot X s`` (blocking the caller) and ``write Y s``
 (background); the last figures are in `last_stats` (SaveStats) for
 `control.signals.grace_warning`.
@@ -181,6 +185,7 @@ class CheckpointManager:
         log: Log | None = None,
         code_version: str | None = None,
         clean_tmp: bool = True,
+        on_commit: Callable[[int, Path], None] | None = None,
     ) -> None:
         if keep_last < 1:
             raise ValueError("keep_last must be >= 1")
@@ -191,11 +196,12 @@ class CheckpointManager:
         self.test_delay_seconds = float(test_delay_seconds)
         self.log: Log = log or _stderr_log
         self._code_version = code_version
+        self.on_commit = on_commit
         self._thread: threading.Thread | None = None
         self._pending_step: int | None = None
         self._error: BaseException | None = None
         self._abandon = threading.Event()
-        self._commit_lock = threading.Lock()
+        self._commit_lock = threading.RLock()  # re-entrant: abandon() may run in a signal handler on the thread holding it (sync mode)
         self.last_stats: SaveStats | None = None
         latest = read_link(self.ckpt_dir, LATEST)
         self.last_committed_path: Path | None = latest
@@ -388,6 +394,11 @@ class CheckpointManager:
             f"checkpoint step {step}: snapshot {snapshot_s:.3f}s, write {write_s:.3f}s "
             f"({nbytes / 1e6:.1f} MB{', async' if self.async_save else ''}) -> {final}"
         )
+        if self.on_commit is not None:
+            try:
+                self.on_commit(step, final)
+            except Exception as e:  # noqa: BLE001 - the checkpoint itself is committed
+                self.log(f"warning: checkpoint on_commit callback failed: {type(e).__name__}: {e}")
 
     def _get_code_version(self) -> str:
         if self._code_version is None:

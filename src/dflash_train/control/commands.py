@@ -203,10 +203,19 @@ def stop_run(
         proc.send_signal(sig)
     except psutil.NoSuchProcess:
         return StopResult(STOP_REFUSED, f"refusing to stop: pid {pid} exited just now; last checkpoint: {last or 'none'}", pid=pid)
+    except psutil.AccessDenied:
+        return StopResult(STOP_REFUSED, f"refusing to stop: no permission to signal pid {pid} "
+                                        "(run stop as the trainer's user or root)", pid=pid)
     t0 = time.monotonic()
     log(f"sent {sig.name} to pid {pid} (step {step0}); waiting up to {timeout:g}s for it to checkpoint and exit")
+    next_note = t0 + 15.0
     while not _gone(proc) and time.monotonic() - t0 < timeout:
         time.sleep(poll_s)
+        if time.monotonic() >= next_note:
+            next_note += 15.0
+            cur = read_record(run_dir) or {}
+            log(f"  still waiting after {time.monotonic() - t0:.0f}s (step {cur.get('step')}, "
+                f"checkpoints/latest {getattr(read_link(run_dir / 'checkpoints', LATEST), 'name', None)})")
     waited = time.monotonic() - t0
     if not _gone(proc):
         cur = (read_record(run_dir) or {}).get("step")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -139,6 +140,7 @@ class RunRecord:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / RUN_FILE
         self.record: dict[str, Any] = {}
+        self._lock = threading.Lock()  # update() may be called from the checkpoint writer thread
 
     def acquire(self, argv: list[str], code_version: str, config_hash: str | None = None, **extra: Any) -> dict[str, Any]:
         """Claim the run dir for this process (raises RunDirBusy if a live trainer holds it).
@@ -182,12 +184,13 @@ class RunRecord:
         return dict(self.record)
 
     def update(self, **fields: Any) -> None:
-        """Merge `fields` into the record and rewrite it atomically (sets updated_at)."""
-        if not self.record:
-            raise RuntimeError("RunRecord.update before acquire")
-        self.record.update(fields)
-        self.record["updated_at"] = _now_iso()
-        atomic_write_json(self.path, self.record)
+        """Merge `fields` into the record and rewrite it atomically (sets updated_at). Thread-safe."""
+        with self._lock:
+            if not self.record:
+                raise RuntimeError("RunRecord.update before acquire")
+            self.record.update(fields)
+            self.record["updated_at"] = _now_iso()
+            atomic_write_json(self.path, self.record)
 
     def release(self, last_checkpoint: str | Path | None = None, **fields: Any) -> None:
         """Mark the run not live (record kept). Call at every exit path you control."""
