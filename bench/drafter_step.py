@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--anchors", type=int, default=32)
+    p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--docs", type=int, default=2, help="documents per row")
     p.add_argument("--hidden", type=int, default=640)

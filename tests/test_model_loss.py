@@ -257,3 +257,15 @@ def test_logits_never_materialised_at_once():
     out.loss.backward()
     n = 2 * 9 * 3
     assert max(seen) == 2 * 3 and sum(seen) == n  # one forward pass over every row, 2 blocks at a time
+
+
+def test_bfloat16_step_runs_close_to_fp32():
+    t, d, ids, lm, docs, feats = setup_loss()
+    anchors = sample_anchors(lm, docs, 6, 4, torch.Generator().manual_seed(0))
+    ref = dflash_loss(d, t, ids, lm, docs, feats, 6, None, anchors=anchors).loss.item()
+    d = d.to(torch.bfloat16)
+    out = dflash_loss(d, t, ids, lm, docs, feats, 6, None, anchors=anchors, chunk_blocks=2)
+    out.loss.backward()
+    assert out.loss.dtype == torch.float32 and abs(out.loss.item() - ref) < 0.05 * abs(ref)
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
+               for p in d.parameters())

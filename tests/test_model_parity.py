@@ -93,3 +93,27 @@ def test_cached_steps_match_reference(layer_types, W):
             got = ours.draft_block(cache, noise, start)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             hidden_start, start = start, start + produced
+
+
+@pytest.mark.parametrize("layer_types,W", [CASES[0], CASES[3]])
+def test_export_config_builds_the_reference(layer_types, W):
+    """ours -> hf_config_dict -> Qwen3Config -> reference model with our state_dict == our outputs."""
+    from transformers import Qwen3Config
+    from dflash.model import DFlashDraftModel
+
+    ref0 = reference_model(layer_types, W, seed=4)
+    ours = ours_from(ref0, layer_types, W)
+    d = ours.cfg.hf_config_dict()
+    assert DrafterConfig.from_hf_config_dict(d) == ours.cfg
+    ref = DFlashDraftModel(Qwen3Config(**d)).eval()
+    missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("rotary_emb.") for k in missing)
+    assert ref.target_layer_ids == [1, 5] and ref.block_size == BS and ref.mask_token_id == 49
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(1, CTX, K * H, generator=g)
+    noise = torch.randn(1, BS, H, generator=g)
+    with torch.no_grad():
+        want = ref(position_ids=torch.arange(CTX + BS)[None], noise_embedding=noise, target_hidden=feats)
+        cache = ours.new_cache()
+        ours.extend_context(cache, feats, 0)
+        torch.testing.assert_close(ours.draft_block(cache, noise, CTX), want, atol=1e-5, rtol=1e-5)

@@ -90,6 +90,68 @@ class DrafterConfig:
             raise ValueError(f"unknown DrafterConfig keys: {sorted(unknown)}")
         return cls(**{k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()})
 
+    def hf_config_dict(self) -> dict[str, Any]:
+        """The serving `config.json` (what `dflash.model.DFlashDraftModel` / SGLang / vLLM read)."""
+        dflash = {
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+            "block_size": self.block_size,
+            "input_embedding_scale": self.input_embedding_scale,
+            "output_multiplier": self.output_multiplier,
+            "final_logit_softcapping": self.final_logit_softcapping,
+        }
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+            "layer_types": list(self.layer_types),
+            # Qwen3Config drops sliding_window unless use_sliding_window is set
+            "use_sliding_window": M.SLIDING in self.layer_types,
+            "sliding_window": self.sliding_window,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "dflash_config": dflash,
+        }
+
+    @classmethod
+    def from_hf_config_dict(cls, d: dict[str, Any], init_std: float = 0.02) -> "DrafterConfig":
+        """Inverse of hf_config_dict (reads an exported config.json)."""
+        df = d.get("dflash_config", {})
+        rope = d.get("rope_parameters") or {}
+        return cls(
+            hidden_size=d["hidden_size"], num_layers=d["num_hidden_layers"], num_heads=d["num_attention_heads"],
+            num_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            intermediate_size=d["intermediate_size"],
+            layer_types=list(d.get("layer_types") or [M.FULL] * d["num_hidden_layers"]),
+            sliding_window=d.get("sliding_window"),
+            block_size=int(df.get("block_size", d.get("block_size", 16))),
+            mask_token_id=int(df["mask_token_id"]),
+            target_layer_ids=list(df["target_layer_ids"]),
+            num_target_layers=d["num_target_layers"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            vocab_size=d.get("vocab_size", 0),
+            input_embedding_scale=float(df.get("input_embedding_scale", 1.0)),
+            output_multiplier=float(df.get("output_multiplier", 1.0)),
+            final_logit_softcapping=df.get("final_logit_softcapping"),
+            init_std=init_std,
+        )
+
     @classmethod
     def from_target(cls, model_cfg, target) -> "DrafterConfig":
         """ModelConfig + a target (see docs/architecture.md "Target interface"); None sizes -> the target's."""
