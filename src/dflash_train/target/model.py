@@ -357,6 +357,10 @@ def _gguf_model(path: Path, kw: dict):
                                                  **{**kw, "dtype": torch.float32})
     try:
         tmp = cdir.parent / f".{cdir.name}.model.{os.getpid()}"
+        # the weights are already de-quantised floats: save them as a plain model
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
         model.save_pretrained(str(tmp))
         _publish(tmp, cdir, "model.complete")
     except OSError as e:
