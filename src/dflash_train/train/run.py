@@ -75,9 +75,17 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list
     try:
         if ctx.is_target_rank:
             return dd.serve_target_rank(cfg, Path(run_dir), ctx)
-        return Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx).run()
+        code = Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx).run()
     finally:
         ctx.shutdown()
+    if code == 130:
+        # aborted by a second signal: leave now. Interpreter finalisation would
+        # reset signal handlers, and a third signal must still mean "exit 130 at once".
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    return code
 
 
 class Trainer:
@@ -255,7 +263,8 @@ class Trainer:
                 self.ckpt.wait()
             if self.record is not None:
                 self.record.release(last_checkpoint=self._last_ckpt_name(), step=self.state.step)
-            stopper.uninstall()
+            if exit_code != 130:  # after an abort, keep the handler: a third signal still exits 130 at once
+                stopper.uninstall()
         return exit_code
 
     def _last_ckpt_name(self) -> str | None:
