@@ -59,6 +59,7 @@ def test_round_trip_verified_and_snapshot_semantics(tmp_path):
     expected = {k: v.clone() for k, v in m.state_dict().items()}
     mgr.save(12, m.state_dict(), {"optimizer": opt.state_dict(), "rng": capture_rng_state({"anchors": g}),
                                   "data_order": {"epoch": 1, "pos": 37}}, {"config_hash": "abc", "tokens": 999})
+    assert mgr.last_requested_step == 12
     with torch.no_grad():  # mutating right after save() returns must not leak into the checkpoint
         for p in m.parameters():
             p.add_(100.0)

@@ -173,7 +173,9 @@ class CheckpointManager:
     """Writes checkpoints under `ckpt_dir` (see the module docstring).
 
     Attributes: `last_committed_step` (int | None; initialised from an existing
-    ``latest`` link), `last_committed_path`, `last_stats` (SaveStats | None).
+    ``latest`` link), `last_committed_path`, `last_stats` (SaveStats | None),
+    `last_requested_step` (last step given to save(), committed or still in
+    flight: a final save can be skipped when it equals the current step).
     """
 
     def __init__(
@@ -203,6 +205,7 @@ class CheckpointManager:
         self._abandon = threading.Event()
         self._commit_lock = threading.RLock()  # re-entrant: abandon() may run in a signal handler on the thread holding it (sync mode)
         self.last_stats: SaveStats | None = None
+        self.last_requested_step: int | None = None  # last step passed to save() (committed or in flight)
         latest = read_link(self.ckpt_dir, LATEST)
         self.last_committed_path: Path | None = latest
         self.last_committed_step: int | None = parse_step(latest.name) if latest else None
@@ -254,6 +257,7 @@ class CheckpointManager:
             torch.cuda.synchronize()
         snapshot_s = time.perf_counter() - t0
         args = (int(step), snap_t, snap_o, meta, snapshot_s)
+        self.last_requested_step = int(step)
         if self.async_save:
             self._pending_step = int(step)
             self._thread = threading.Thread(target=self._write_guarded, args=args, name="checkpoint-writer", daemon=True)
