@@ -53,7 +53,6 @@ Timing: every save logs ``snapshot X s`` (blocking the caller) and ``write Y s``
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import secrets
