@@ -466,6 +466,9 @@ class DFlashDrafter(nn.Module):
 
         Sees cached context positions < anchor and its own block; the mask comes
         from the same `dflash_mask_mod` as training (one anchor, one document).
+        block_embeds = target.embed([token at anchor, MASK x (bs-1)]); then
+        target.logits(hidden[:, 1:]) are the drafts for positions anchor+1..anchor+bs-1.
+        A block shorter than bs (end of generation) is fine.
         """
         a = int(anchor_position)
         if a > cache.length:

@@ -68,7 +68,12 @@ def sample_anchors(
         ok[:, :-1] = lm[:, :-1] & lm[:, 1:] & (document_ids[:, :-1] == document_ids[:, 1:]) & (document_ids[:, :-1] >= 0)
     A = int(num_anchors)
     # random keys; invalid positions get key 2 (> any rand) so they sort last
-    keys = torch.rand(B, T, generator=generator, device=generator.device).to(dev)
+    keys = torch.rand(B, T, generator=generator, device=generator.device)
+    if keys.device != dev:
+        # CPU generator, CUDA batch: pinned + non_blocking so the copy does not sync the host
+        if dev.type == "cuda":
+            keys = keys.pin_memory()
+        keys = keys.to(dev, non_blocking=True)
     keys = torch.where(ok, keys, torch.full_like(keys, 2.0))
     if A > T:
         keys = torch.cat([keys, keys.new_full((B, A - T), 3.0)], dim=1)
