@@ -122,10 +122,8 @@ class DistContext:
     def wrap_model(self, drafter: torch.nn.Module) -> torch.nn.Module:
         if not self.distributed or self.num_trainers == 1:
             return drafter
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         dev = next(drafter.parameters()).device
-        return DDP(drafter, device_ids=[dev.index] if dev.type == "cuda" else None,
+        return _DDP(drafter, device_ids=[dev.index] if dev.type == "cuda" else None,
                    process_group=self.trainer_group)
 
     def shutdown(self) -> None:
@@ -166,6 +164,18 @@ class DistContext:
 
 
 # ---------------------------------------------------------------------- trainer side
+
+
+class _DDP(torch.nn.parallel.DistributedDataParallel):
+    """DDP whose forward syncs gradients, and which answers attribute reads
+    (cfg, fc, ...) from the drafter it wraps, so the loss code takes either."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
 
 
 def _send_bytes(obj, dst: int, cmd: int) -> None:
@@ -274,7 +284,7 @@ def serve_target_rank(cfg, run_dir: Path, ctx: DistContext) -> int:
     # shutdown is owned by the trainers: they agree on a step and tell us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    setup_logging(run_dir, ctx.rank)
+    setup_logging(run_dir, ctx.rank, leader=False)
     device = ctx.trainer_device(resolve_device(cfg.train.device))
     target = load_target(cfg.target, device=device)
     layer_ids = DrafterConfig.from_target(cfg.model, target).target_layer_ids

@@ -14,11 +14,12 @@ from typing import Any
 log = logging.getLogger("dflash_train")
 
 
-def setup_logging(run_dir: Path, rank: int = 0) -> None:
-    """Console + RUN_DIR/logs/train.log (rank-suffixed under torchrun)."""
+def setup_logging(run_dir: Path, rank: int = 0, leader: bool = True) -> None:
+    """Console + RUN_DIR/logs/train.log for the leading trainer; other ranks
+    under torchrun log to RUN_DIR/logs/train.rankN.log only."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    name = "train.log" if rank == 0 else f"train.rank{rank}.log"
+    name = "train.log" if leader else f"train.rank{rank}.log"
     root = logging.getLogger("dflash_train")
     root.setLevel(logging.INFO)
     for h in list(root.handlers):
@@ -28,7 +29,7 @@ def setup_logging(run_dir: Path, rank: int = 0) -> None:
     fh = logging.FileHandler(logs / name)
     fh.setFormatter(fmt)
     root.addHandler(fh)
-    if rank == 0:
+    if leader:
         sh = logging.StreamHandler(sys.stderr)
         sh.setFormatter(fmt)
         root.addHandler(sh)

@@ -105,7 +105,7 @@ class Trainer:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "checkpoints").mkdir(exist_ok=True)
-        setup_logging(self.run_dir, self.ctx.rank)
+        setup_logging(self.run_dir, self.ctx.rank, self.is_leader)
         self.record = None
         if self.is_leader:
             self.record = RunRecord(self.run_dir)
@@ -133,7 +133,7 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.drafter = DFlashDrafter(self.drafter_cfg).to(self.device)
         n_params = sum(p.numel() for p in self.drafter.parameters())
-        log.info("drafter: %d layers, %.1fM params, target layers %s, block size %d",
+        log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d",
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
                  self.drafter_cfg.block_size)
         self.data = load_prepared(cfg, self.target.tokenizer, self.target.family)

@@ -1,0 +1,34 @@
+"""torchrun on gloo: 1 target rank + 2 trainer ranks (DDP) train a tiny drafter."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+from trainrun import REPO, env, losses, tiny_overrides
+
+
+def _torchrun(run_dir, overrides, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "dflash_train.cli", "train", "--run-dir", str(run_dir), *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO)
+
+
+def test_one_target_two_trainers_gloo(tiny_target_factory, tmp_path):
+    from conftest import write_tiny_jsonl
+
+    jsonl = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    target = tiny_target_factory("qwen3")
+    over = tiny_overrides(target, jsonl, **{"train.max_steps": 12, "pipeline.target_ranks": 1,
+                                            "train.lr": 1e-2, "checkpoint.every_steps": 6})
+    rd = tmp_path / "ddp"
+    res = _torchrun(rd, over)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    ls = losses(rd)
+    assert sorted(ls) == list(range(1, 13))
+    assert all(math.isfinite(v) for v in ls.values())
+    first, last = sum(ls[s] for s in (1, 2, 3)) / 3, sum(ls[s] for s in (10, 11, 12)) / 3
+    assert last < first, ls
+    assert (rd / "checkpoints" / "latest").resolve().name == "step-00000012"
+    log = (rd / "logs" / "train.rank0.log").read_text()
+    assert "serving trainer ranks [1, 2]" in log and "all trainers done" in log
