@@ -109,34 +109,58 @@ def make_blocks(input_ids, loss_mask, document_ids, anchors, anchor_valid, block
     return block_ids.view(B, A * bs), labels, weights, supervised
 
 
+def _chunk_ce(h, W, labels, w, mult, cap, need_grad):
+    """One chunk: sum w*CE, d(sum)/dh (or None) and argmax. Written out by hand (no autograd
+    graph over [n, V]) so the logits buffer is reused in place for the softmax gradient.
+
+    logits c = softcap(mult * h @ W^T); dCE/dc = softmax(c) - onehot; softcap'(z) = 1 - tanh^2.
+    """
+    z = F.linear(h.to(W.dtype), W).float()
+    if mult != 1.0:
+        z.mul_(mult)
+    t = None
+    if cap is not None:
+        t = torch.tanh(z / cap)
+        z = t * cap
+    lab = labels.clamp(min=0)[:, None]
+    lse = torch.logsumexp(z, dim=-1)
+    part = ((lse - z.gather(1, lab)[:, 0]) * w).sum()
+    pred = z.argmax(-1)
+    grad = None
+    if need_grad:
+        z.sub_(lse[:, None]).exp_().mul_(w[:, None])  # w * softmax, in place
+        z.scatter_add_(1, lab, -w[:, None])
+        if t is not None:
+            z.mul_(1.0 - t * t)
+        if mult != 1.0:
+            z.mul_(mult)
+        grad = (z.to(W.dtype) @ W).to(h.dtype)
+    return part, grad, pred
+
+
 class _ChunkedCE(torch.autograd.Function):
     """sum_i w_i * CE(logits(h_i), y_i) over chunks of rows; saves only d(sum)/dh [N, H].
 
-    The gradient is computed in the forward, chunk by chunk (autograd on a detached
-    chunk), so the [chunk, V] logits are freed before the next chunk; backward just
-    scales the saved gradient. Also returns argmax-correct flags (no grad).
+    The gradient is computed in the forward, chunk by chunk, so one [chunk, V] logits
+    buffer exists at a time and nothing is recomputed; backward just scales the saved
+    gradient. Also returns argmax-correct flags (no grad). W is the frozen lm_head
+    (never gets a gradient).
     """
 
     @staticmethod
-    def forward(ctx, hidden, labels, weights, chunk_rows, logits_fn, need_grad):
+    def forward(ctx, hidden, labels, weights, chunk_rows, head, need_grad):
+        W, mult, cap = head
         N = hidden.shape[0]
         total = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.zeros(N, dtype=torch.bool, device=hidden.device)
-        grad = torch.zeros_like(hidden) if need_grad else None
+        grad = torch.empty_like(hidden) if need_grad else None
         for s in range(0, N, chunk_rows):
             e = min(N, s + chunk_rows)
-            h = hidden[s:e].detach()
-            with torch.enable_grad():
-                h.requires_grad_(need_grad)
-                logits = logits_fn(h).float()
-                ce = F.cross_entropy(logits, labels[s:e].clamp(min=0), reduction="none")
-                part = (ce * weights[s:e]).sum()
-                if need_grad:
-                    (g,) = torch.autograd.grad(part, h)
-                    grad[s:e] = g
-            total = total + part.detach()
-            correct[s:e] = logits.detach().argmax(-1) == labels[s:e]
-            del logits, ce, part
+            part, g, pred = _chunk_ce(hidden[s:e].detach(), W, labels[s:e], weights[s:e], mult, cap, need_grad)
+            total = total + part
+            correct[s:e] = pred == labels[s:e]
+            if need_grad:
+                grad[s:e] = g
         ctx.save_for_backward(grad if need_grad else hidden.new_zeros(0))
         ctx.mark_non_differentiable(correct)
         return total, correct
@@ -147,22 +171,17 @@ class _ChunkedCE(torch.autograd.Function):
         return grad * grad_total.to(grad.dtype), None, None, None, None, None
 
 
-def _subset_logits_fn(target, vocab_subset: torch.Tensor):
-    """Logits over the allowed ids only: lm_head rows of the subset, then the target's
-    multiplier and soft-cap (both elementwise, so equal to the full logits restricted)."""
-    W = target.lm_head_weight[vocab_subset]
+def _head(target, vocab_subset: torch.Tensor | None):
+    """(lm_head rows, multiplier, soft-cap) as in target.logits: lm_head, then the target's
+    multiplier and soft-cap. Both are elementwise, so a subset's logits equal the full
+    logits restricted to those ids."""
+    W = target.lm_head_weight.detach()
+    if vocab_subset is not None:
+        W = W[vocab_subset]
     mult = float(getattr(target, "output_multiplier", 1.0) or 1.0)
     cap = getattr(target, "final_logit_softcapping", None)
-
-    def fn(h):
-        z = F.linear(h.to(W.dtype), W)
-        if mult != 1.0:
-            z = z * mult
-        if cap is not None and float(cap) > 0:
-            z = torch.tanh(z / float(cap)) * float(cap)
-        return z
-
-    return fn
+    cap = float(cap) if cap is not None and float(cap) > 0 else None
+    return W, mult, cap
 
 
 def subset_labels(labels: torch.Tensor, vocab_subset: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -220,17 +239,18 @@ def dflash_loss(
     flat_labels = labels.reshape(-1)
     flat_w = weights.reshape(-1)
     if vocab_subset is None:
-        ce_labels, logits_fn = flat_labels, target.logits
+        ce_labels, head = flat_labels, _head(target, None)
     else:
+        vocab_subset = vocab_subset.to(dev).long()
         ce_labels = subset_labels(flat_labels, vocab_subset, int(target.lm_head_weight.shape[0]))
-        logits_fn = _subset_logits_fn(target, vocab_subset.to(dev).long())
+        head = _head(target, vocab_subset)
     flat_w = flat_w * (ce_labels >= 0)  # labels outside the subset weigh 0
     # chunk = chunk_blocks blocks, made smaller if needed so one chunk's logits stay
     # under max_chunk_logits elements (262K vocab x 64 blocks x 15 would be 1 GB fp32)
     V = int(target.lm_head_weight.shape[0]) if vocab_subset is None else int(vocab_subset.numel())
     rows = max(1, min(max(1, chunk_blocks) * (bs - 1), max_chunk_logits // max(1, V)))
     need_grad = torch.is_grad_enabled() and h.requires_grad
-    total, correct = _ChunkedCE.apply(h, ce_labels, flat_w, rows, logits_fn, need_grad)
+    total, correct = _ChunkedCE.apply(h, ce_labels, flat_w, rows, head, need_grad)
     correct = correct & (ce_labels >= 0)  # out-of-subset labels count as misses
     weight_sum = flat_w.sum()
     # clamp: a batch with nothing supervised gives loss 0 (not NaN); the trainer can skip it
