@@ -1,0 +1,269 @@
+"""Real speculative decoding with a DFlash drafter against the real target.
+
+Same semantics as the reference `dflash.model.dflash_generate` (PyPI dflash
+0.1.0), which is what SGLang / vLLM serve:
+
+* prefill the prompt (positions 0..n-1) through the target with a KV cache;
+  the first new token comes from the last prompt logits; the context features
+  of the prompt (target layers `target_layer_ids`, HF ``hidden_states[i + 1]``)
+  go into the drafter's context cache.
+* each step, at ``start`` (the position of the last produced token): the block
+  is ``[token at start, MASK x (bs - 1)]`` at positions ``start..start+bs-1``;
+  the drafter sees context strictly before ``start`` plus the block and fills
+  the bs - 1 masked slots in one forward; ONE target forward over the block
+  verifies them. Greedy: accepted = matching prefix; the target's own next
+  token after it is the bonus. Sampling (temperature > 0): standard lossless
+  speculative sampling (accept draft token x with prob min(1, p(x)/q(x)); at the
+  first rejection sample from normalised max(0, p - q); if all are accepted the
+  bonus comes from p at the last position).
+* produced = accepted + 1 (capped by max_new_tokens, cut after a stop token);
+  the target cache is cropped to the new start; the verify forward's features
+  of the anchor and the accepted tokens (NOT the bonus, which the target has
+  not seen yet) extend the drafter's context.
+
+``acceptance_lengths`` are the per-step ``produced`` counts, exactly as the
+reference reports them; tau = their mean.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "speculative_generate",
+    "plain_generate",
+    "rejection_sample",
+    "sampling_probs",
+    "acceptance_histogram",
+    "tau_of",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _drafter_cfg(drafter):
+    cfg = getattr(drafter, "cfg", None)
+    if cfg is None:
+        cfg = getattr(drafter, "config", None)
+    if cfg is None:
+        raise TypeError("drafter has no .cfg (DrafterConfig)")
+    return cfg
+
+
+def _make_target_cache(hf_model):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf_model.config)
+    # sliding-window layers keep past states until crop(), so a rejected draft can be rolled back
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
+
+
+def _crop_to(cache, length: int) -> None:
+    """Drop cached positions >= length (crop(0) still shrinks sliding layers to their working size)."""
+    remove = cache.get_seq_length() - length
+    if remove < 0:
+        raise ValueError(f"cannot crop a cache of length {cache.get_seq_length()} to {length}")
+    cache.crop(-remove)
+
+
+def _features(hidden_states: Sequence[torch.Tensor], layer_ids: Iterable[int]) -> torch.Tensor:
+    """Concatenated outputs of the selected target layers (HF hidden_states[i + 1])."""
+    return torch.cat([hidden_states[int(i) + 1] for i in layer_ids], dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / float(temperature), dim=-1)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample per row of probs [..., V] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.multinomial(flat, 1, generator=generator)
+    return out.view(probs.shape[:-1])
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    if temperature <= 0:
+        return torch.argmax(logits, dim=-1)
+    return _sample(sampling_probs(logits, temperature), generator)
+
+
+def _gen_for(device: torch.device, generator: torch.Generator | None) -> torch.Generator | None:
+    """Sampling uses the generator's device; reuse it when it matches, else None (global RNG)."""
+    if generator is None:
+        return None
+    if generator.device.type != torch.device(device).type:
+        raise ValueError(f"generator is on {generator.device}, tensors on {device}")
+    return generator
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
+    """Lossless speculative sampling for one block.
+
+    draft_tokens [g] (sampled from draft_probs), draft_probs [g, V] (q), target_probs
+    [g + 1, V] (p at the g draft positions and one more for the bonus).
+    Returns (accepted, next_token): the first `accepted` drafts are kept and
+    `next_token` follows them (a residual sample at the first rejection, or
+    the bonus from p[g] if all were accepted).
+    """
+    g = int(draft_tokens.shape[0])
+    idx = draft_tokens.long()[:, None]
+    p = target_probs[:g].gather(-1, idx)[:, 0]
+    q = draft_probs.gather(-1, idx)[:, 0]
+    u = torch.rand(g, generator=generator, device=p.device, dtype=p.dtype) if g else p.new_zeros(0)
+    ok = (u * q < p).to(torch.int64)
+    accepted = int(ok.cumprod(0).sum().item()) if g else 0
+    if accepted == g:
+        return accepted, int(_sample(target_probs[g], generator).item())
+    residual = (target_probs[accepted] - draft_probs[accepted]).clamp_min(0)
+    total = residual.sum()
+    if float(total) > 0:
+        residual = residual / total
+    else:  # p == q exactly at this position: sample p
+        residual = target_probs[accepted]
+    return accepted, int(_sample(residual, generator).item())
+
+
+def acceptance_histogram(acceptance_lengths: Iterable[int], block_size: int) -> dict[int, int]:
+    """{tokens produced per verify step (1..block_size): number of steps}."""
+    hist = {k: 0 for k in range(1, int(block_size) + 1)}
+    for a in acceptance_lengths:
+        hist[int(a)] = hist.get(int(a), 0) + 1
+    return hist
+
+
+def tau_of(acceptance_lengths: Sequence[int]) -> float:
+    return float(sum(acceptance_lengths)) / len(acceptance_lengths) if acceptance_lengths else float("nan")
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@torch.inference_mode()
+def plain_generate(
+    target,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Plain autoregressive decoding with the target's KV cache (the baseline).
+
+    Returns [1, n + generated] (prompt included); stops after a stop token
+    (kept) or after max_new_tokens new tokens.
+    """
+    model = target.model
+    device = target.device
+    input_ids = input_ids.to(device)
+    n = input_ids.shape[1]
+    gen = _gen_for(device, generator)
+    stops = set(int(s) for s in (stop_token_ids or []))
+    cache = _make_target_cache(model)
+    pos = torch.arange(n, device=device)[None]
+    out = model(input_ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tokens = [int(_pick(out.logits[:, -1], temperature, gen)[0].item())]
+    while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+        p = n + len(tokens) - 1
+        ids = torch.tensor([[tokens[-1]]], device=device)
+        out = model(ids, position_ids=torch.tensor([[p]], device=device), past_key_values=cache, use_cache=True)
+        tokens.append(int(_pick(out.logits[:, -1], temperature, gen)[0].item()))
+    return torch.cat([input_ids, torch.tensor([tokens], device=device, dtype=input_ids.dtype)], dim=1)
+
+
+@torch.inference_mode()
+def speculative_generate(
+    drafter,
+    target,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, list[int]]:
+    """DFlash speculative decoding. Returns (output_ids [1, n + generated], acceptance_lengths).
+
+    Greedy (temperature 0) output equals `plain_generate` token for token;
+    temperature > 0 is distributed exactly as plain sampling from the target.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError("max_new_tokens must be >= 1")
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    cfg = _drafter_cfg(drafter)
+    bs = int(cfg.block_size)
+    layer_ids = list(cfg.target_layer_ids)
+    mask_id = int(cfg.mask_token_id)
+    model = target.model
+    device = target.device
+    gen = _gen_for(device, generator)
+    input_ids = input_ids.to(device)
+    n = int(input_ids.shape[1])
+    max_length = n + int(max_new_tokens)
+    stops = torch.tensor(sorted(set(int(s) for s in (stop_token_ids or []))), dtype=torch.long, device=device)
+
+    # output buffer: positions >= the last produced one hold MASK, so a block is a plain slice
+    output_ids = torch.full((1, max_length + 1), mask_id, dtype=torch.long, device=device)
+    output_ids[:, :n] = input_ids
+    positions = torch.arange(max_length + 1, device=device)[None]
+
+    tcache = _make_target_cache(model)
+    out = model(input_ids, position_ids=positions[:, :n], past_key_values=tcache, use_cache=True,
+                logits_to_keep=1, output_hidden_states=True)
+    output_ids[:, n] = _pick(out.logits[:, -1], temperature, gen)
+    dcache = drafter.new_cache()
+    drafter.extend_context(dcache, _features(out.hidden_states, layer_ids), 0)
+    del out
+    _crop_to(tcache, n)
+
+    acceptance_lengths: list[int] = []
+    start = n
+    stopped = bool(stops.numel()) and bool(torch.isin(output_ids[:, start], stops).any())
+    while start + 1 < max_length and not stopped:
+        vs = min(bs, max_length - start)  # >= 2 here
+        block = output_ids[:, start:start + vs].clone()
+        embeds = target.embed(block)
+        hidden = drafter.draft_block(dcache, embeds, start)[:, 1:vs]
+        draft_logits = target.logits(hidden.to(embeds.dtype))
+        if temperature > 0:
+            q = sampling_probs(draft_logits, temperature)  # [1, vs-1, V]
+            block[:, 1:] = _sample(q, gen)
+        else:
+            block[:, 1:] = torch.argmax(draft_logits, dim=-1)
+
+        out = model(block, position_ids=positions[:, start:start + vs], past_key_values=tcache,
+                    use_cache=True, output_hidden_states=True)
+        if temperature > 0:
+            p = sampling_probs(out.logits[0], temperature)  # [vs, V]
+            accepted, nxt = rejection_sample(block[0, 1:], q[0], p, gen)
+        else:
+            posterior = torch.argmax(out.logits[0], dim=-1)  # [vs]
+            accepted = int((block[0, 1:] == posterior[:-1]).to(torch.int64).cumprod(0).sum().item())
+            nxt = int(posterior[accepted].item())
+        output_ids[:, start:start + accepted + 1] = block[:, :accepted + 1]
+        output_ids[0, start + accepted + 1] = nxt
+        produced = min(accepted + 1, max_length - start - 1)
+        if stops.numel():
+            hit = torch.isin(output_ids[0, start + 1:start + produced + 1], stops).nonzero(as_tuple=True)[0]
+            if hit.numel():
+                produced = int(hit[0].item()) + 1
+                stopped = True
+        # context features of the anchor + accepted tokens (positions start..start+produced-1)
+        drafter.extend_context(dcache, _features(out.hidden_states, layer_ids)[:, :produced], start)
+        del out
+        start += produced
+        _crop_to(tcache, start)
+        acceptance_lengths.append(produced)
+
+    return output_ids[:, :min(start + 1, max_length)].clone(), acceptance_lengths
