@@ -144,8 +144,14 @@ class DistContext:
             order = DataOrder(len(trainer.rows[0]), cfg.train.seed)
             if trainer.state.order_state:
                 order.load_state_dict(trainer.state.order_state)
-            source = TargetBatchSource(trainer.rows, order, trainer.target, trainer.drafter_cfg.target_layer_ids,
-                                       cfg.train.batch_size, cfg.pipeline.cache_features)
+            if trainer.precomputed is not None:
+                from dflash_train.pipeline.precompute import PrecomputedBatchSource
+
+                source = PrecomputedBatchSource(trainer.precomputed, order, cfg.train.batch_size, trainer.target.dtype)
+            else:
+                source = TargetBatchSource(trainer.rows, order, trainer.target,
+                                           trainer.drafter_cfg.target_layer_ids, cfg.train.batch_size,
+                                           cfg.pipeline.cache_features)
             return Pipeline(source, cfg.pipeline.queue_depth, trainer.device,
                             num_workers=cfg.pipeline.num_target_workers).start()
         states = trainer.state.order_state.get("per_target") if trainer.state.order_state else None

@@ -136,7 +136,11 @@ class Trainer:
         log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d",
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
                  self.drafter_cfg.block_size)
-        self.data = load_prepared(cfg, self.target.tokenizer, self.target.family)
+        self.precomputed = None
+        if cfg.data.source.startswith("precomputed:"):
+            self.data = self._open_precomputed(cfg.data.source[len("precomputed:"):])
+        else:
+            self.data = load_prepared(cfg, self.target.tokenizer, self.target.family)
         log.info("data: %s", self.data.stats)
         rows = (self.data.input_ids, self.data.loss_mask, self.data.document_ids)
         self.vocab_subset = vocab_subset_from_rows(self.data.input_ids, self.data.loss_mask, cfg.train.vocab_subset)
@@ -158,6 +162,27 @@ class Trainer:
         self.model = self.ctx.wrap_model(self.drafter)
         if cfg.train.compile:
             self.model = torch.compile(self.model)
+
+    def _open_precomputed(self, path: str):
+        from types import SimpleNamespace
+
+        from dflash_train.pipeline.precompute import PrecomputedFeatures, PrecomputeError
+
+        pre = PrecomputedFeatures(Path(path))
+        if pre.layer_ids != list(self.drafter_cfg.target_layer_ids):
+            raise PrecomputeError(
+                f"{path} holds target layers {pre.layer_ids} but this drafter reads {self.drafter_cfg.target_layer_ids}; "
+                f"set model.target_layer_ids={pre.layer_ids}")
+        if pre.index["hidden_size"] != self.target.hidden_size:
+            raise PrecomputeError(f"{path} was captured from a target with hidden size {pre.index['hidden_size']}, "
+                                  f"not {self.target.hidden_size}")
+        if self.ctx.distributed:
+            raise PrecomputeError("precomputed features are read by single-process training; "
+                                  "under torchrun use pipeline.target_ranks with an online source")
+        self.precomputed = pre
+        stats = dict(pre.index.get("data_stats", {}), source=f"precomputed:{path}", rows=len(pre.input_ids))
+        return SimpleNamespace(input_ids=pre.input_ids, loss_mask=pre.loss_mask, document_ids=pre.document_ids,
+                               heldout=pre.heldout(), stats=stats)
 
     # ------------------------------------------------------------------ checkpoint state
     def _rng_generators(self) -> dict[str, torch.Generator]:
@@ -248,6 +273,7 @@ class Trainer:
                     self.run_dir / "checkpoints", keep_last=self.cfg.checkpoint.keep_last,
                     async_save=self.cfg.checkpoint.async_save,
                     test_delay_seconds=self.cfg.checkpoint.test_delay_seconds, log=log.info,
+                    on_commit=self._on_commit,
                 )
             else:
                 self.ckpt = _FollowerCheckpoints()
@@ -267,6 +293,10 @@ class Trainer:
                 stopper.uninstall()
         return exit_code
 
+    def _on_commit(self, step: int, path: Path) -> None:
+        if self.record is not None:  # writer thread; RunRecord.update is thread-safe
+            self.record.update(last_checkpoint=Path(path).name)
+
     def _last_ckpt_name(self) -> str | None:
         step = getattr(self.ckpt, "last_committed_step", None) if self.ckpt else None
         return f"step-{step:08d}" if step is not None else None
@@ -276,8 +306,6 @@ class Trainer:
         meta["reason"] = reason
         self.ckpt.save(self.state.step, tensors, objects, meta)
         self._last_saved = self.state.step
-        if self.record is not None:
-            self.record.update(last_checkpoint=f"step-{self.state.step:08d}")
 
     def _pipeline(self):
         return self.ctx.make_pipeline(self)
