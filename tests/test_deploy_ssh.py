@@ -138,3 +138,38 @@ def test_remote_call_runs_cli_on_far_end(ssh_env, tmp_path, capfd):
     # the far end's exit code and stderr come back
     cp = remote_run([ssh_env.url], ["no-such-command"], timeout=120)
     assert cp.returncode == 2
+
+
+def test_stop_and_deploy_refuse_a_reused_pid(ssh_env, tmp_path, capfd):
+    """run.json names a pid that now belongs to another process (start time
+    differs): `stop --via ssh -> pct` and `deploy` both refuse; it survives."""
+    import socket
+
+    import psutil
+
+    from dflash_train.deploy.command import deploy_command
+
+    rd = tmp_path / "run"
+    rd.mkdir()
+    victim = subprocess.Popen(["sleep", "120"], stdin=subprocess.DEVNULL)
+    try:
+        ct = psutil.Process(victim.pid).create_time()
+        (rd / "run.json").write_text(json.dumps({
+            "pid": victim.pid, "create_time": ct - 3600.0, "hostname": socket.gethostname(),
+            "argv": ["dflash-train", "train", "--run-dir", str(rd)], "cwd": str(tmp_path), "live": True, "step": 7,
+        }))
+        rc = remote_call([ssh_env.url, "pct:200"], ["stop", str(rd), "--timeout", "5"], timeout=120)
+        out = capfd.readouterr()
+        assert rc == 2, out.out + out.err
+        assert "reused" in (out.out + out.err)
+        code_dir = Path(__file__).resolve().parents[1] / "src"
+        rc = deploy_command(rd, str(code_dir), [ssh_env.url], False, True, 3, 30.0, 0.0, 10.0)
+        out = capfd.readouterr()
+        assert rc == 1
+        rep = json.loads(out.out)
+        assert rep["result"] is None and "reused" in rep["message"], rep
+        assert victim.poll() is None, "the unrelated process was signalled"
+        assert not (rd / "releases" / "current").exists()
+    finally:
+        victim.kill()
+        victim.wait()

@@ -301,6 +301,7 @@ class Deployer:
                 raise DeployError(f"git archive {commit[:12]} to the job's host failed: {e}") from None
             meta = {"source": f"git:{repo}@{self.code}", "kind": "git", "code_version": commit[:12], "commit": commit}
         meta["deployed_by"] = self.owner
+        meta["command"] = self._command(rid, None)
         res = self.agent("write-release", id=rid, meta=meta)
         if not res.get("ok"):
             raise DeployError(res.get("error", "release write failed"))

@@ -1,0 +1,306 @@
+"""`dflash-train deploy` end to end with the real trainer on a tiny target:
+real subprocesses, real signals, real files.
+
+Job A (module fixture `job_a`) takes three deploys that preflight must refuse
+(syntax error, renamed drafter parameter, config schema change) and a dry run
+through ssh + a `pct` hop; it must keep running and stepping throughout.
+
+Job B takes a good deploy (a copy of the repo's code with a harmless change):
+resumed at the stop step, the loss sequence continues exactly as in an
+uninterrupted reference run started alongside; then a deploy of code that
+crashes after start: rolled back, the previous release running again from
+the same checkpoint. Tests of job B run in file order (the second deploys on
+top of the first).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sshd import LoopbackSshd, sshd_unavailable  # noqa: E402
+from trainrun import REPO, env, losses, metrics, tiny_overrides, train_cmd, wait_for, wait_step  # noqa: E402
+
+SRC_PKG = REPO / "src" / "dflash_train"
+DEPLOY_TIMEOUT = 400
+
+
+def job_overrides(target: Path, jsonl: Path) -> list[str]:
+    # effectively endless (stopped by the tests), logging every 2 steps so a
+    # health check sees a fresh interval quickly; checkpoints every 25 steps
+    # with keep_last=2, so retention deletes old checkpoints during a deploy
+    return tiny_overrides(target, jsonl, **{
+        "train.max_steps": 100000, "logging.every_steps": 2, "checkpoint.every_steps": 25,
+        "checkpoint.keep_last": 2})
+
+
+class Job:
+    def __init__(self, run_dir: Path, overrides: list[str], log: Path, nice: int = 0) -> None:
+        self.run_dir = run_dir
+        self.log = log
+        f = open(log, "w")
+        self.proc = subprocess.Popen(train_cmd(run_dir, overrides), stdout=f, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env(), cwd=REPO,
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        f.close()
+
+    def record(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "run.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def live(self) -> bool:
+        from dflash_train.control.run_record import is_live
+
+        return is_live(self.record())
+
+    def step(self) -> int:
+        ls = losses(self.run_dir)
+        return max(ls) if ls else 0
+
+    def advances(self, by: int = 4, timeout: float = 120) -> int:
+        s0 = self.step()
+        wait_for(lambda: self.step() >= s0 + by, timeout, what=f"{self.run_dir} to advance {by} steps past {s0}")
+        return self.step()
+
+    def stop(self) -> None:
+        from dflash_train.control.commands import stop_run
+
+        if self.live():
+            stop_run(self.run_dir, timeout=60, force=True, log=lambda m: None)
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def deploy(run_dir: Path, code, *extra: str, env_extra: dict | None = None) -> tuple[int, dict, str]:
+    e = env()
+    e.update(env_extra or {})
+    cmd = [sys.executable, "-m", "dflash_train.cli", "deploy", str(run_dir), "--code", str(code), "--json",
+           "--health-steps", "3", "--health-timeout", "150", "--min-speed", "0", "--stop-timeout", "60", *extra]
+    t0 = time.monotonic()
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT, env=e, cwd=REPO)
+    try:
+        report = json.loads(cp.stdout)
+    except ValueError:
+        raise AssertionError(f"deploy printed no JSON report (exit {cp.returncode}):\n{cp.stdout}\n{cp.stderr}")
+    report["_wall_s"] = time.monotonic() - t0
+    phases = " ".join(f"{p['name']}={p['seconds']:.1f}s" for p in report["phases"])
+    print(f"deploy {Path(str(code)).name}: exit {cp.returncode} {report.get('result')} in {report['_wall_s']:.1f}s: {phases}")
+    return cp.returncode, report, cp.stderr
+
+
+def code_copy(dest: Path, edit=None) -> Path:
+    """A code dir (repo layout: dest/src/dflash_train) copied from this checkout, then edited."""
+    pkg = dest / "src" / "dflash_train"
+    shutil.copytree(SRC_PKG, pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if edit:
+        edit(pkg)
+    return dest
+
+
+def replace_in(path: Path, old: str, new: str, count: int = 1) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}: the test's edit no longer applies"
+    path.write_text(text.replace(old, new) if count < 0 else text.replace(old, new, count))
+
+
+def releases(run_dir: Path) -> list[str]:
+    d = run_dir / "releases"
+    return sorted(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")) if d.is_dir() else []
+
+
+def proc_pythonpath(pid: int) -> str:
+    env_items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    for item in env_items:
+        if item.startswith(b"PYTHONPATH="):
+            return item.split(b"=", 1)[1].decode()
+    return ""
+
+
+@pytest.fixture(scope="module")
+def data(tiny_target_factory, tmp_path_factory):
+    from conftest import write_tiny_jsonl
+
+    root = tmp_path_factory.mktemp("deploy")
+    jsonl = write_tiny_jsonl(root / "conv.jsonl", n=40)
+    return tiny_target_factory("qwen3"), jsonl, root
+
+
+# --------------------------------------------------------------------------- refusals (job A)
+
+
+@pytest.fixture(scope="class")
+def job_a(data):
+    target, jsonl, root = data
+    job = Job(root / "job-a", job_overrides(target, jsonl), root / "job-a.out")
+    try:
+        wait_step(job.run_dir, 30, job.proc, timeout=240)  # past the first checkpoint (step 25)
+        yield job
+    finally:
+        job.stop()
+
+
+def _assert_untouched(job: Job, pid: int, rep: dict) -> None:
+    assert job.live() and job.record()["pid"] == pid, "the running job was touched"
+    assert job.proc.poll() is None
+    assert not (job.run_dir / "releases" / "current").exists(), "a refused deploy switched code"
+    assert releases(job.run_dir) == [], f"refused release left behind: {releases(job.run_dir)}"
+    job.advances(4)
+
+
+class TestPreflightRefusals:
+    """Job A: deploys that must be refused while the job keeps running."""
+
+    def test_syntax_error_is_refused_and_job_keeps_running(self, job_a, tmp_path):
+        pid = job_a.record()["pid"]
+        code = code_copy(tmp_path / "syntax", lambda pkg: (pkg / "model" / "loss.py").write_text(
+            (pkg / "model" / "loss.py").read_text() + "\ndef broken(:\n    pass\n"))
+        rc, rep, err = deploy(job_a.run_dir, code)
+        assert rc == 1 and rep["result"] == "refused", err
+        check = {c["name"]: c for c in rep["preflight"]["checks"]}
+        assert check["compile"]["ok"] is False and "loss.py" in check["compile"]["detail"]
+        assert [p["name"] for p in rep["phases"]] == ["connect", "release", "preflight"]
+        _assert_untouched(job_a, pid, rep)
+
+    def test_renamed_parameter_is_refused(self, job_a, tmp_path):
+        pid = job_a.record()["pid"]
+        # the code still works, but the checkpoint's `hidden_norm.weight` no longer has a home
+        code = code_copy(tmp_path / "renamed", lambda pkg: replace_in(pkg / "model" / "drafter.py", "hidden_norm", "context_norm", -1))
+        rc, rep, err = deploy(job_a.run_dir, code)
+        assert rc == 1 and rep["result"] == "refused", err
+        check = {c["name"]: c for c in rep["preflight"]["checks"]}
+        assert all(check[n]["ok"] for n in ("compile", "import", "config", "features"))
+        assert check["checkpoint"]["ok"] is False
+        assert "hidden_norm.weight" in check["checkpoint"]["detail"] and "context_norm.weight" in check["checkpoint"]["detail"]
+        _assert_untouched(job_a, pid, rep)
+
+    def test_config_schema_change_is_refused(self, job_a, tmp_path):
+        pid = job_a.record()["pid"]
+        code = code_copy(tmp_path / "schema", lambda pkg: replace_in(
+            pkg / "config.py", "    grad_clip: float = Field(", "    max_grad_norm: float = Field("))
+        rc, rep, err = deploy(job_a.run_dir, code)
+        assert rc == 1 and rep["result"] == "refused", err
+        check = {c["name"]: c for c in rep["preflight"]["checks"]}
+        assert check["config"]["ok"] is False and "grad_clip" in check["config"]["detail"]
+        _assert_untouched(job_a, pid, rep)
+
+    @pytest.mark.skipif(sshd_unavailable() is not None, reason=str(sshd_unavailable()))
+    def test_dry_run_through_ssh_and_pct(self, job_a, tmp_path):
+        """connect + release copy + preflight on the far end of ssh -> pct; nothing changes."""
+        sshd = LoopbackSshd.start(tmp_path / "sshd", extra_path=[str(Path(sys.executable).parent)])
+        try:
+            pid = job_a.record()["pid"]
+            code = code_copy(tmp_path / "good")
+            rc, rep, err = deploy(job_a.run_dir, code, "--dry-run", "--via", sshd.url, "--via", "pct:200",
+                                  env_extra={"DFLASH_SSH_OPTIONS": sshd.ssh_options, "DFLASH_REMOTE_PYTHON": sys.executable})
+            assert rc == 0 and rep["result"] == "dry_run_ok", err + json.dumps(rep, indent=1)[-3000:]
+            assert rep["transport"] == f"local -> {sshd.url} -> pct:200"
+            assert all(c["ok"] for c in rep["preflight"]["checks"])
+            _assert_untouched(job_a, pid, rep)
+        finally:
+            sshd.stop()
+
+
+# --------------------------------------------------------------------------- deploy + rollback (job B)
+
+
+@pytest.fixture(scope="class")
+def job_b(data):
+    target, jsonl, root = data
+    ov = job_overrides(target, jsonl)
+    job = Job(root / "job-b", ov, root / "job-b.out")
+    # the uninterrupted reference, same arguments, started alongside
+    ref = Job(root / "reference", ov, root / "reference.out", nice=10)
+    state: dict = {"ref": ref}
+    try:
+        wait_step(job.run_dir, 30, job.proc, timeout=240)
+        yield job, state
+    finally:
+        job.stop()
+        ref.stop()
+
+
+class TestDeployAndRollback:
+    """Job B, in order: a good deploy, then one that crashes after start."""
+
+    def test_deploy_resumes_at_stop_step_and_loss_continues_exactly(self, job_b, tmp_path):
+        job, state = job_b
+        old_pid = job.record()["pid"]
+        code = code_copy(tmp_path / "v2", lambda pkg: (pkg / "__init__.py").write_text(
+            (pkg / "__init__.py").read_text() + '\nDEPLOY_TEST_MARK = "v2"  # a harmless change\n'))
+        rc, rep, err = deploy(job.run_dir, code)
+        assert rc == 0 and rep["result"] == "deployed", err + json.dumps(rep, indent=1)[-4000:]
+        assert [p["name"] for p in rep["phases"]] == [
+            "connect", "release", "preflight", "baseline", "record", "stop", "switch", "start", "health"]
+        rel = rep["release"]
+        stop_step = rep["stop"]["step"]
+        assert rep["stop"]["checkpoint"]["step"] == stop_step
+        # releases side by side; current -> new, previous -> the recorded running code
+        rd = job.run_dir
+        assert os.readlink(rd / "releases" / "current") == rel
+        assert os.readlink(rd / "releases" / "previous") == "initial"
+        initial = json.loads((rd / "releases" / "initial" / "release.json").read_text())
+        assert initial["original_command"]["argv"][1] == "train" and initial["original_command"]["cwd"] == str(REPO)
+        assert (rd / "releases" / "initial" / "src" / "dflash_train" / "cli.py").is_file()
+        assert "DEPLOY_TEST_MARK" in (rd / "releases" / rel / "src" / "dflash_train" / "__init__.py").read_text()
+        # the new process: verified live, running the new release, resumed at the stop step
+        new_pid = rep["pid"]
+        assert new_pid != old_pid and job.live() and job.record()["pid"] == new_pid
+        assert proc_pythonpath(new_pid).split(":")[0] == str(rd / "releases" / rel / "src")
+        log = (rd / "logs" / f"deploy-{rel}.log").read_text()
+        assert f"at step {stop_step}" in log and f"step-{stop_step:08d}" in log
+        assert job.record()["code_version"].startswith("pkg-")  # not the git checkout any more
+        health = rep["health"][-1]
+        assert health["ok"] and health["resumed_step"] == stop_step and health["step"] >= stop_step + 3
+        state.update(release=rel, stop_step=stop_step)
+        # the loss sequence continues exactly as the uninterrupted run's
+        end = job.advances(6)
+        ref = state["ref"]
+        wait_step(ref.run_dir, end, ref.proc, timeout=300)
+        got, want = losses(rd), losses(ref.run_dir)
+        common = [s for s in sorted(got) if s <= end]
+        assert common and common[-1] >= stop_step + 6 and min(common) <= stop_step - 10
+        assert [got[s] for s in common] == [want[s] for s in common]  # bit for bit
+        steps = [r["step"] for r in metrics(rd) if not r.get("eval")]
+        assert steps == sorted(set(steps)), "metrics.jsonl has duplicate or out-of-order steps after the deploy"
+
+    def test_crash_after_start_rolls_back_to_previous_release(self, job_b, tmp_path):
+        job, state = job_b
+        if "release" not in state:
+            pytest.skip("needs the successful deploy of the previous test")
+        prev = state["release"]
+        rd = job.run_dir
+        code = code_copy(tmp_path / "crash", lambda pkg: replace_in(
+            pkg / "train" / "run.py", "    def _loop(self, stopper) -> int:\n",
+            "    def _loop(self, stopper) -> int:\n        raise RuntimeError('deploy test: this release crashes after start')\n"))
+        rc, rep, err = deploy(job.run_dir, code)
+        assert rc == 1 and rep["result"] == "rolled_back", err + json.dumps(rep, indent=1)[-4000:]
+        names = [p["name"] for p in rep["phases"]]
+        assert names[:8] == ["connect", "release", "preflight", "baseline", "stop", "switch", "start", "health"]
+        assert names[8:] == ["rollback-stop", "rollback-switch", "rollback-start", "rollback-health"]
+        assert "exited" in rep["failure"]
+        assert rep["previous"] == prev
+        stop_step = rep["stop"]["step"]
+        # previous code running again, from the same checkpoint
+        assert os.readlink(rd / "releases" / "current") == prev
+        pid = rep["pid"]
+        assert job.live() and job.record()["pid"] == pid
+        assert proc_pythonpath(pid).split(":")[0] == str(rd / "releases" / prev / "src")
+        rb = rep["health"][-1]
+        assert rb["ok"] and rb["resumed_step"] == stop_step
+        assert job.advances(4) > stop_step
+        failed_log = (rd / "logs" / f"deploy-{rep['release']}.log").read_text()
+        assert "this release crashes after start" in failed_log
