@@ -83,9 +83,8 @@ def test_document_positions():
 
 def test_capture_stops_after_last_needed_layer(targets):
     t = targets["qwen3"]
-    before = [len(layer._forward_hooks) for layer in t.layers]
     calls = {"layer3": 0, "norm": 0}
-    h1 = t.layers[3].register_forward_hook(lambda *a: calls.__setitem__("layer3", calls["layer3"] + 1))
+    h1 = t.layers[3].register_forward_hook(lambda *a: calls.__setitem__("layer3", calls["layer3"] + 1), prepend=True)
     h2 = t.decoder.norm.register_forward_hook(lambda *a: calls.__setitem__("norm", calls["norm"] + 1))
     try:
         ids = torch.arange(10, 20)[None]
@@ -93,11 +92,36 @@ def test_capture_stops_after_last_needed_layer(targets):
         assert calls == {"layer3": 0, "norm": 0}
         t.capture(ids, torch.zeros_like(ids), [3])
         assert calls == {"layer3": 1, "norm": 0}
+        # capture's hooks are inert outside capture: a plain forward runs every layer
+        with torch.no_grad():
+            t.model(ids)
+        assert calls == {"layer3": 2, "norm": 1}
     finally:
         h1.remove()
         h2.remove()
-    # no hooks left behind by capture
-    assert [len(layer._forward_hooks) for layer in t.layers] == before
+
+
+def test_concurrent_captures_from_threads(targets):
+    import threading
+
+    t = targets["gemma3"]
+    g = torch.Generator().manual_seed(5)
+    jobs = [(torch.randint(7, 400, (2, 24), generator=g), [i % 4, (i + 1) % 3]) for i in range(6)]
+    ref = [t.capture(ids, torch.zeros_like(ids), ls) for ids, ls in jobs]
+    out = [None] * len(jobs)
+
+    def work(k):
+        for _ in range(3):
+            ids, ls = jobs[k]
+            out[k] = t.capture(ids, torch.zeros_like(ids), ls)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(jobs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b)
 
 
 def test_capture_output_usable_in_autograd(targets):

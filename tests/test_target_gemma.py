@@ -54,7 +54,7 @@ def test_gemma_capture_packed_equals_alone(gemma):
     feats = t.capture(ids, doc, layers)
     for off, x in ((0, a), (len(a), b)):
         with torch.no_grad():
-            hs = t.model(torch.tensor([x]), output_hidden_states=True).hidden_states
+            hs = t.decoder(torch.tensor([x]), output_hidden_states=True).hidden_states
         ref = torch.cat([hs[i + 1] for i in layers], dim=-1)[0]
         torch.testing.assert_close(feats[0, off:off + len(x)], ref, atol=2e-3, rtol=1e-3)
     assert feats.shape == (1, T, 3 * 640) and torch.all(feats[0, -3:] == 0)

@@ -35,9 +35,12 @@ document gets position ids restarting at 0 and a block-diagonal causal mask
 model as explicit 4-D masks, so each document's features equal running that
 document alone. Padding (document id -1) attends only to itself and its
 features are zero. Forward hooks on the selected decoder layers record their
-OUTPUT (HF ``hidden_states[i + 1]``); the hook of the deepest selected layer
-raises a private exception that ends the forward there, so later layers, the
-final norm and the lm_head never run.
+OUTPUT (HF ``hidden_states[i + 1]``; for the LAST layer HF applies the final
+norm to ``hidden_states[L]``, capture returns the raw layer output); the hook
+of the deepest selected layer raises a private exception that ends the
+forward there, so later layers, the final norm and the lm_head never run.
+The hooks are registered once and act only inside a capture call of the
+same thread: several worker threads may capture concurrently.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -166,6 +170,9 @@ class Target:
         self.layers = self.decoder.layers
         self.layer_types = list(getattr(hc, "layer_types", None) or [])
         self.sliding_window = getattr(hc, "sliding_window", None)
+        self._tls = threading.local()
+        self._hook_lock = threading.Lock()
+        self._hooked = False
 
     # ------------------------------------------------------------------ basics
 
@@ -199,6 +206,39 @@ class Target:
         return out
 
     # ------------------------------------------------------------------ capture
+
+    def _ensure_hooks(self) -> None:
+        """One permanent forward hook per decoder layer; it acts only inside a
+        capture call of the SAME thread (thread-local state), so concurrent
+        captures from several worker threads and plain model use (generation,
+        eval) are unaffected."""
+        if getattr(self, "_hooked", False):
+            return
+        with self._hook_lock:
+            if getattr(self, "_hooked", False):
+                return
+
+            def make_hook(i: int):
+                def hook(_mod, _inp, out):
+                    active = getattr(self._tls, "active", None)
+                    if active is None:
+                        return None
+                    wanted, last, store = active
+                    if i in wanted:
+                        store[i] = out[0] if isinstance(out, (tuple, list)) else out
+                    if i == last:
+                        raise _StopForward
+                    return None
+
+                return hook
+
+            self._hook_handles = [layer.register_forward_hook(make_hook(i)) for i, layer in enumerate(self.layers)]
+            self._hooked = True
+
+    def remove_hooks(self) -> None:
+        for h in getattr(self, "_hook_handles", []):
+            h.remove()
+        self._hook_handles, self._hooked = [], False
 
     def _masks(self, document_ids: torch.Tensor) -> Any:
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
@@ -239,19 +279,10 @@ class Target:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and document_ids {tuple(document_ids.shape)} must both be [B, T]")
         ids = input_ids.to(self.device, torch.long)
         doc = document_ids.to(self.device, torch.long)
-        wanted = sorted(set(layer_ids))
-        last = wanted[-1]
+        wanted = set(layer_ids)
         store: dict[int, torch.Tensor] = {}
-
-        def make_hook(i: int):
-            def hook(_mod, _inp, out):
-                store[i] = out[0] if isinstance(out, (tuple, list)) else out
-                if i == last:
-                    raise _StopForward
-
-            return hook
-
-        handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in wanted]
+        self._ensure_hooks()
+        self._tls.active = (wanted, max(wanted), store)
         try:
             with torch.inference_mode():
                 pos = document_positions(doc)
@@ -261,10 +292,9 @@ class Target:
                 except _StopForward:
                     pass
         finally:
-            for h in handles:
-                h.remove()
-        if len(store) != len(wanted):
-            raise RuntimeError(f"capture: hooks fired for layers {sorted(store)}, expected {wanted}")
+            self._tls.active = None
+        if set(store) != wanted:
+            raise RuntimeError(f"capture: hooks fired for layers {sorted(store)}, expected {sorted(wanted)}")
         # outside inference mode: the result is a normal tensor usable in autograd graphs
         feats = torch.cat([store[i] for i in layer_ids], dim=-1)
         pad = (doc < 0).unsqueeze(-1)
