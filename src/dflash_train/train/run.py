@@ -393,13 +393,8 @@ class Trainer:
                 step_times.append(time.perf_counter() - t_step)
                 metrics.advance(self.state.step)
 
-                if self.state.consecutive_skips >= cfg.train.max_consecutive_skips:
-                    log.error("%d consecutive non-finite steps: stopping with the last good state",
-                              self.state.consecutive_skips)
-                    stop_reason = "non-finite"
-                    break
-
-                if self.state.step % cfg.logging.every_steps == 0:
+                give_up = self.state.consecutive_skips >= cfg.train.max_consecutive_skips
+                if self.state.step % cfg.logging.every_steps == 0 or give_up:
                     now = time.perf_counter()
                     dt = max(now - interval_t0, 1e-9)
                     acc = (acc_correct / acc_count.clamp_min(1)).tolist()  # the interval's one read
@@ -425,6 +420,12 @@ class Trainer:
                     acc_correct.zero_(); acc_count.zero_(); loss_sum.zero_()
                     loss_n = interval_tokens = interval_samples = 0
                     interval_t0 = time.perf_counter()
+
+                if give_up:
+                    log.error("%d consecutive non-finite steps: stopping with the last good state",
+                              self.state.consecutive_skips)
+                    stop_reason = "non-finite"
+                    break
 
                 if cfg.eval.every_steps and self.state.step % cfg.eval.every_steps == 0:
                     t_eval = time.perf_counter()
