@@ -8,7 +8,7 @@ import torch
 
 from dflash_train.config import TargetConfig, load_config
 from dflash_train.data import ChatFormat, load_prepared
-from dflash_train.data.regenerate import generate_answers, regenerate_command
+from dflash_train.data.regenerate import generate_answers, regenerate_command, regenerate_conversations
 from dflash_train.target import load_target
 from conftest import write_tiny_jsonl
 
@@ -38,7 +38,8 @@ def test_regenerate_is_resumable(tmp_path, gemma_tiny, tiny_target_factory):
     src = write_tiny_jsonl(tmp_path / "src.jsonl", n=5)
     out = tmp_path / "regen.jsonl"
     over = [f"target.path={tiny_target_factory('gemma3')}", f"data.source=jsonl:{src}", "data.max_tokens=256"]
-    c1 = regenerate_command(load_config(None, over + ["data.limit=3"]), out, 4, 2, 0.0, target=gemma_tiny)
+    c1 = regenerate_conversations(load_config(None, over), out, max_conversations=3, max_new_tokens=4, batch_size=2,
+                                  temperature=0.0, target=gemma_tiny)
     assert c1["written"] + c1["empty_answer"] == 3
     first = out.read_text().splitlines()
     # a torn last line (interrupted write) is cut off and that conversation redone

@@ -88,7 +88,17 @@ def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_
 
 def regenerate_command(cfg, out: Path, max_new_tokens: int = 256, batch_size: int = 8,
                        temperature: float = 0.0, target=None) -> dict:
-    """Regenerate answers into `out` (JSONL, appended); returns counts."""
+    """`dflash-train regenerate`: regenerate answers into `out` (JSONL, appended); returns counts."""
+    return regenerate_conversations(cfg, out, None, max_new_tokens, batch_size, temperature, target)
+
+
+def regenerate_conversations(cfg, out: Path, max_conversations: int | None = None, max_new_tokens: int = 256,
+                             batch_size: int = 8, temperature: float = 0.0, target=None) -> dict:
+    """Regenerate the answers of the first `max_conversations` conversations of
+    ``data.source`` (default ``data.limit``) into `out` (JSONL, appended,
+    resumable); `target` reuses an already loaded Target. Returns counts:
+    conversations, already_done, written, prompt_too_long, empty_answer,
+    new_tokens, seconds."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -100,7 +110,8 @@ def regenerate_command(cfg, out: Path, max_new_tokens: int = 256, batch_size: in
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
-    convs, _ = read_conversations(src, cfg.data.limit)
+    limit = max_conversations if max_conversations is not None else cfg.data.limit
+    convs, _ = read_conversations(src, limit)
     done = done_ids(out)
     todo = [c for c in convs if c.id not in done]
     counts = {"conversations": len(convs), "already_done": len(convs) - len(todo), "written": 0,
