@@ -85,13 +85,13 @@ class Job:
                 self.proc.wait()
 
 
-def deploy(run_dir: Path, code, *extra: str, env_extra: dict | None = None) -> tuple[int, dict, str]:
+def deploy(run_dir: Path, code, *extra: str, env_extra: dict | None = None, cwd: Path = REPO) -> tuple[int, dict, str]:
     e = env()
     e.update(env_extra or {})
     cmd = [sys.executable, "-m", "dflash_train.cli", "deploy", str(run_dir), "--code", str(code), "--json",
            "--health-steps", "3", "--health-timeout", "150", "--min-speed", "0", "--stop-timeout", "60", *extra]
     t0 = time.monotonic()
-    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT, env=e, cwd=REPO)
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=DEPLOY_TIMEOUT, env=e, cwd=cwd)
     try:
         report = json.loads(cp.stdout)
     except ValueError:
@@ -198,16 +198,24 @@ class TestPreflightRefusals:
         _assert_untouched(job_a, pid, rep)
 
     @pytest.mark.skipif(sshd_unavailable() is not None, reason=str(sshd_unavailable()))
-    def test_dry_run_through_ssh_and_pct(self, job_a, tmp_path):
-        """connect + release copy + preflight on the far end of ssh -> pct; nothing changes."""
+    def test_dry_run_of_a_git_ref_through_ssh_and_pct(self, job_a, tmp_path):
+        """--code GIT_REF: `git archive` of the commit over ssh -> pct, preflight
+        on the far end, nothing changes."""
         sshd = LoopbackSshd.start(tmp_path / "sshd", extra_path=[str(Path(sys.executable).parent)])
         try:
             pid = job_a.record()["pid"]
-            code = code_copy(tmp_path / "good")
-            rc, rep, err = deploy(job_a.run_dir, code, "--dry-run", "--via", sshd.url, "--via", "pct:200",
-                                  env_extra={"DFLASH_SSH_OPTIONS": sshd.ssh_options, "DFLASH_REMOTE_PYTHON": sys.executable})
+            repo = code_copy(tmp_path / "repo")
+            git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+            subprocess.run(git + ["init", "-q"], check=True)
+            subprocess.run(git + ["add", "src"], check=True)
+            subprocess.run(git + ["commit", "-q", "-m", "release candidate"], check=True)
+            (repo / "src" / "dflash_train" / "config.py").write_text("this is not python (uncommitted, not deployed)\n")
+            rc, rep, err = deploy(job_a.run_dir, "HEAD", "--dry-run", "--via", sshd.url, "--via", "pct:200",
+                                  env_extra={"DFLASH_SSH_OPTIONS": sshd.ssh_options, "DFLASH_REMOTE_PYTHON": sys.executable},
+                                  cwd=repo)
             assert rc == 0 and rep["result"] == "dry_run_ok", err + json.dumps(rep, indent=1)[-3000:]
             assert rep["transport"] == f"local -> {sshd.url} -> pct:200"
+            assert rep["phases"][1]["kind"] == "git" and len(rep["phases"][1]["commit"]) == 40
             assert all(c["ok"] for c in rep["preflight"]["checks"])
             _assert_untouched(job_a, pid, rep)
         finally:

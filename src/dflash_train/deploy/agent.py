@@ -58,7 +58,7 @@ ENV_PREFIXES = ("CUDA_", "NCCL_", "OMP_", "MKL_", "TORCH", "PYTORCH_", "HF_", "T
 ENV_NAMES = ("PYTHONPATH", "PATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "HOME", "LANG", "LC_ALL", "TMPDIR",
              "PYTHONHASHSEED", "PYTHONUNBUFFERED")
 SECRET_RE = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY$|^KEY", re.I)
-RESUMED_RE = re.compile(r"resumed from (\S+) at step (\d+)")
+RESUMED_RE = re.compile(r"resumed from (.+?) at step (\d+)")
 
 
 def now_iso() -> str:
@@ -187,6 +187,9 @@ def job_process(pid: int) -> dict:
     except OSError:
         out["env_readable"] = False
     out["env"] = {k: v for k, v in env.items() if keep_env(k)}
+    # started by torchrun / a launcher with several ranks: one restarted process would not be the same job
+    ws = env.get("WORLD_SIZE")
+    out["distributed"] = bool(env.get("TORCHELASTIC_RUN_ID") or (ws and ws != "1"))
     # the interpreter as it was invoked (a venv's bin/python, NOT the resolved exe)
     py = None
     cmdline = out.get("cmdline") or []
@@ -521,6 +524,18 @@ def op_remove_release(a) -> dict:
     return {"ok": True}
 
 
+def op_history(a) -> dict:
+    """Append one line (the deploy's summary) to releases/history.jsonl."""
+    rel = Path(a.run_dir) / RELEASES
+    rel.mkdir(parents=True, exist_ok=True)
+    line = json.dumps(dict(json.loads(a.entry), at=now_iso()), default=str)
+    with open(rel / "history.jsonl", "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return {"ok": True}
+
+
 def op_preserve(a) -> dict:
     src = Path(a.run_dir) / "checkpoints" / f"step-{a.step:08d}"
     dest = Path(a.run_dir) / RELEASES / a.id / "stop-checkpoint" / src.name
@@ -707,6 +722,7 @@ def main(argv=None) -> int:
         ("--steps", {"type": int, "default": 3}), ("--timeout", {"type": float, "default": 300.0}),
         ("--min-tps", {"type": float, "default": 0.0}), ("--log", {"required": True}),
         ("--log-offsets", {"default": ""}), ("--poll", {"type": float, "default": 0.2}))
+    add("history", op_history, ("--entry", {"required": True}))
     add("log-offsets", op_log_offsets, ("--log", {"required": True}))
     add("baseline", op_baseline, ("--n", {"type": int, "default": 3}), ("--upto", {"type": int, "default": None}))
     a = ap.parse_args(argv)

@@ -139,6 +139,14 @@ class Deployer:
             self.line("deploy", f"FAILED: {e}")
             rc = 1
         finally:
+            if self.locked and not self.dry_run and self.report.get("release"):
+                entry = {k: self.report.get(k) for k in ("result", "release", "previous", "message", "pid")}
+                entry["phases"] = {p["name"]: p["seconds"] for p in self.report["phases"]}
+                entry["code"] = self.code
+                try:
+                    self.agent("history", entry=entry)
+                except DeployError:
+                    pass
             if self.locked:
                 try:
                     self.agent("unlock", owner=self.owner)
@@ -167,6 +175,9 @@ class Deployer:
         argv = rec.get("argv") or []
         if "train" not in argv[1:2]:
             raise DeployError(f"run.json argv {argv!r} is not a `dflash-train train` command line; cannot restart it")
+        if job.get("distributed"):
+            raise DeployError(f"pid {rec.get('pid')} is one rank of a torchrun / multi-process job: "
+                              "deploy restarts single-process jobs only (stop it and relaunch with torchrun)")
         if not job.get("python"):
             raise DeployError(f"cannot tell which Python runs pid {rec.get('pid')} (no /proc access?)")
         if not job.get("env_readable"):
