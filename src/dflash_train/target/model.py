@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
 import re
 import threading
