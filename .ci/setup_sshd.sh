@@ -9,6 +9,10 @@ if dpkg -s openssh-server >/dev/null 2>&1 && [ -x /usr/sbin/sshd ]; then
     exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
+    if ! command -v sudo >/dev/null 2>&1; then
+        echo "setup_sshd: WARNING: not root and no sudo: cannot install openssh-server; the ssh deploy tests will be skipped" >&2
+        exit 0
+    fi
     SUDO=sudo
 else
     SUDO=
@@ -22,7 +26,13 @@ if [ ! -e /usr/sbin/policy-rc.d ]; then
     tmp_policy=1
 fi
 $SUDO apt-get update -qq || true
-$SUDO apt-get install -y -qq --no-install-recommends openssh-server openssh-client >/dev/null
+rc=0
+$SUDO apt-get install -y -qq --no-install-recommends openssh-server openssh-client >/dev/null || rc=$?
 if [ "$tmp_policy" = 1 ]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
+if [ "$rc" != 0 ] || [ ! -x /usr/sbin/sshd ]; then
+    # not fatal for CI: tests/test_deploy_ssh.py skips with this reason
+    echo "setup_sshd: WARNING: apt-get install openssh-server failed (exit $rc); the ssh deploy tests will be skipped" >&2
+    exit 0
+fi
 /usr/sbin/sshd -V 2>&1 | head -1 || true
 echo "setup_sshd: installed openssh-server"
