@@ -11,6 +11,7 @@ the pre-step baseline, sampled by a psutil thread every 2 ms.
 from __future__ import annotations
 
 import argparse
+import resource
 import shlex
 import sys
 import threading
@@ -107,6 +108,7 @@ def run(args, device: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     times = []
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     with RssPeak() as rss:
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -114,9 +116,11 @@ def run(args, device: str) -> dict:
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu_s = (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / args.steps
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else rss.delta_mib
     return {
-        "device": device, "step_s": min(times), "loss": out.loss.item(),
+        "device": device, "step_s": min(times), "cpu_s": cpu_s, "loss": out.loss.item(),
         "positions": B * args.anchors * (args.block_size - 1), "peak_mib": peak,
         "mem_kind": "max_memory_allocated - base" if cuda else "peak RSS - base",
     }
@@ -162,9 +166,11 @@ def main(argv=None) -> int:
           f"{f' (subset {args.vocab_subset})' if args.vocab_subset else ''}, {args.dtype}, "
           f"chunk {args.chunk_blocks} blocks, torch threads {torch.get_num_threads()}")
     rows = [run(args, d) for d in devices]
-    print(f"{'device':<8}{'step (s)':>10}{'pos/s':>10}{'peak MiB':>10}  memory measure")
+    # cpu s = process CPU seconds per step (all threads): steadier than wall time on a shared machine
+    print(f"{'device':<8}{'step (s)':>10}{'cpu s':>8}{'pos/s':>10}{'peak MiB':>10}  memory measure")
     for r in rows:
-        print(f"{r['device']:<8}{r['step_s']:>10.3f}{r['positions'] / r['step_s']:>10.0f}{r['peak_mib']:>10.0f}  {r['mem_kind']}")
+        print(f"{r['device']:<8}{r['step_s']:>10.3f}{r['cpu_s']:>8.2f}{r['positions'] / r['step_s']:>10.0f}"
+              f"{r['peak_mib']:>10.0f}  {r['mem_kind']}")
     return 0
 
 
