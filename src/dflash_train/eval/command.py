@@ -1,0 +1,336 @@
+"""Acceptance length (tau) by real speculative decoding: `evaluate_tau` and
+`dflash-train eval`.
+
+Prompts are user messages; each is formatted as ONE user turn with the
+target's chat format (`dflash_train.data.template.ChatFormat`: the tokenizer's
+chat_template, or Gemma's ``<start_of_turn>user\\n...<end_of_turn>\\n<start_of_turn>model\\n``)
+and generated until the format's stop tokens or max_new_tokens.
+
+tau = total tokens produced / total verify steps over all prompts (the pooled
+mean of the per-step acceptance lengths, each = accepted drafts + 1 bonus).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dflash_train.eval.specdec import acceptance_histogram, plain_generate, speculative_generate, tau_of
+
+
+def _err(msg: str) -> Exception:
+    from dflash_train.cli import UserError
+
+    return UserError(msg)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def heldout_prompts(heldout: Sequence[Any], num_prompts: int) -> list[str]:
+    """First user turns of held-out conversations (data.sources.Conversation or ShareGPT/messages dicts)."""
+    out: list[str] = []
+    for conv in heldout:
+        text = _first_user_text(conv)
+        if text and text.strip():
+            out.append(text)
+        if len(out) >= num_prompts:
+            break
+    return out
+
+
+def _first_user_text(conv: Any) -> str | None:
+    if hasattr(conv, "prompt"):
+        try:
+            return conv.prompt
+        except StopIteration:
+            return None
+    if isinstance(conv, str):
+        return conv
+    if isinstance(conv, dict):
+        if isinstance(conv.get("prompt"), str):
+            return conv["prompt"]
+        turns = conv.get("messages") or conv.get("conversations") or []
+        for t in turns:
+            role = t.get("role", t.get("from"))
+            if role in ("user", "human"):
+                return t.get("content", t.get("value"))
+    return None
+
+
+def read_prompts_file(path: str | Path, num_prompts: int | None = None) -> list[str]:
+    """JSONL, one {"prompt": "..."} per line (blank lines ignored). Errors name the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise _err(f"prompts file not found: {p}")
+    out: list[str] = []
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _err(f"{p}: cannot read: {e}") from None
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise _err(f"{p}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+            raise _err(f'{p}:{i}: expected an object with a non-empty string "prompt"')
+        out.append(obj["prompt"])
+        if num_prompts is not None and len(out) >= num_prompts:
+            break
+    if not out:
+        raise _err(f"{p}: no prompts")
+    return out
+
+
+def chat_format(target):
+    from dflash_train.data.template import ChatFormat
+
+    return ChatFormat(target.tokenizer, getattr(target, "family", None))
+
+
+def encode_prompts(target, prompts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
+    """(token ids of each prompt as one formatted user turn, stop token ids)."""
+    fmt = chat_format(target)
+    ids = [fmt.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
+    return ids, fmt.stop_token_ids()
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def evaluate_tau(
+    drafter,
+    target,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    measure_plain: bool = True,
+    prompt_ids: Sequence[Sequence[int]] | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Real speculative decoding over `prompts` (user messages, formatted here).
+
+    Returns tau, histogram {"k": steps that produced k tokens} (k = 1..block_size),
+    tokens_per_s_spec, tokens_per_s_plain, speedup, num_prompts, outputs_match
+    (greedy: every speculative output equals plain greedy; None when not
+    checked), plus tau_per_prompt, steps, new_tokens, block_size, temperature,
+    max_new_tokens. Pass `prompt_ids` (+ `stop_token_ids`) to skip formatting.
+    measure_plain=False skips the plain baseline (in-training eval).
+    """
+    if prompt_ids is None:
+        prompt_ids, stops = encode_prompts(target, prompts)
+    else:
+        stops = []
+    if stop_token_ids is not None:
+        stops = list(stop_token_ids)
+    if not prompt_ids:
+        raise _err("no prompts to evaluate")
+    cfg = getattr(drafter, "cfg", None) or getattr(drafter, "config")
+    bs = int(cfg.block_size)
+    device = target.device
+    all_acc: list[int] = []
+    per_prompt: list[float] = []
+    t_spec = t_plain = 0.0
+    n_spec = n_plain = 0
+    match: bool | None = True if (measure_plain and temperature <= 0) else None
+    mismatches: list[int] = []
+    for i, ids in enumerate(prompt_ids):
+        x = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=device).manual_seed(int(seed) + i)
+        _sync(device)
+        t0 = time.perf_counter()
+        out, acc = speculative_generate(drafter, target, x, max_new_tokens, stops, temperature, gen)
+        _sync(device)
+        t_spec += time.perf_counter() - t0
+        n_spec += out.shape[1] - x.shape[1]
+        all_acc.extend(acc)
+        per_prompt.append(tau_of(acc))
+        if measure_plain:
+            gen = torch.Generator(device=device).manual_seed(int(seed) + i) if temperature > 0 else None
+            _sync(device)
+            t0 = time.perf_counter()
+            plain = plain_generate(target, x, max_new_tokens, stops, temperature, gen)
+            _sync(device)
+            t_plain += time.perf_counter() - t0
+            n_plain += plain.shape[1] - x.shape[1]
+            if temperature <= 0 and not torch.equal(plain, out):
+                match = False
+                mismatches.append(i)
+        if progress is not None:
+            progress(i + 1, len(prompt_ids))
+    tps_spec = n_spec / t_spec if t_spec > 0 else float("nan")
+    tps_plain = n_plain / t_plain if measure_plain and t_plain > 0 else None
+    hist = acceptance_histogram(all_acc, bs)
+    return {
+        "tau": tau_of(all_acc),
+        "histogram": {str(k): v for k, v in sorted(hist.items())},
+        "tokens_per_s_spec": tps_spec,
+        "tokens_per_s_plain": tps_plain,
+        "speedup": (tps_spec / tps_plain) if tps_plain else None,
+        "num_prompts": len(prompt_ids),
+        "outputs_match": match,
+        "mismatched_prompts": mismatches,
+        "tau_per_prompt": per_prompt,
+        "steps": len(all_acc),
+        "new_tokens": n_spec,
+        "block_size": bs,
+        "temperature": float(temperature),
+        "max_new_tokens": int(max_new_tokens),
+    }
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _run_config(run_dir: Path | None):
+    if run_dir is None or not (run_dir / "config.yaml").is_file():
+        return None
+    from dflash_train.config import load_config
+
+    return load_config(run_dir / "config.yaml")
+
+
+def _heldout_from_run(run_cfg, target, num_prompts: int) -> list[str]:
+    from dflash_train.data.sources import DataError, is_heldout
+
+    if run_cfg is None:
+        raise _err("--prompts heldout needs the run's config.yaml (give --drafter RUN_DIR or a checkpoint "
+                   "inside one), or pass --prompts FILE.jsonl")
+    d = run_cfg.data
+    try:
+        if d.source.startswith("prepared:") and not d.regenerated:
+            from dflash_train.data.prepare import load_prepared
+
+            convs = load_prepared(run_cfg, target.tokenizer, target.family).heldout
+        else:
+            from dflash_train.data.prepare import read_source_conversations
+
+            convs = [c for c in read_source_conversations(run_cfg)[0] if is_heldout(c, d.heldout_fraction)]
+    except DataError as e:
+        raise _err(f"cannot read held-out conversations: {e}; pass --prompts FILE.jsonl") from None
+    prompts = heldout_prompts(convs, num_prompts)
+    if not prompts:
+        raise _err(f"the run's data ({d.source}, heldout_fraction={d.heldout_fraction}) has no held-out "
+                   "conversations; pass --prompts FILE.jsonl")
+    return prompts
+
+
+def _num(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return format(v, spec)
+
+
+def _print_table(res: dict[str, Any], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title=title, show_header=True)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("tau (mean tokens per verify step)", _num(res["tau"], ".3f"))
+    t.add_row("prompts / verify steps / new tokens", f"{res['num_prompts']} / {res['steps']} / {res['new_tokens']}")
+    t.add_row("tokens/s speculative", _num(res["tokens_per_s_spec"], ".2f"))
+    t.add_row("tokens/s plain", _num(res["tokens_per_s_plain"], ".2f"))
+    t.add_row("speedup", _num(res["speedup"], ".2f"))
+    if res["outputs_match"] is not None:
+        t.add_row("greedy output == plain", "yes" if res["outputs_match"] else f"NO (prompts {res['mismatched_prompts']})")
+    con.print(t)
+    h = Table(title="tokens produced per verify step", show_header=True)
+    h.add_column("k")
+    h.add_column("steps", justify="right")
+    h.add_column("share", justify="right")
+    total = max(res["steps"], 1)
+    for k, v in res["histogram"].items():
+        h.add_row(k, str(v), f"{100.0 * v / total:.1f}%")
+    con.print(h)
+
+
+def eval_command(
+    drafter: Path,
+    target: str | None,
+    prompts: str,
+    num_prompts: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    untrained: bool,
+    as_json: bool,
+) -> dict[str, Any]:
+    """`dflash-train eval`: load drafter + target, run `evaluate_tau`, print a table or one JSON object."""
+    from dflash_train.config import TargetConfig
+    from dflash_train.export import resolve_drafter_source
+    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.target import load_target
+
+    if num_prompts < 1:
+        raise _err("--num-prompts must be >= 1")
+    if max_new_tokens < 1:
+        raise _err("--max-new-tokens must be >= 1")
+    if temperature < 0:
+        raise _err("--temperature must be >= 0")
+    # cheap checks first: the drafter and a prompts file before loading any model
+    src = resolve_drafter_source(drafter)
+    prompt_list = None if prompts == "heldout" else read_prompts_file(prompts, num_prompts)
+    run_cfg = _run_config(src.run_dir)
+    target_path = target or src.target_path or (run_cfg.target.path if run_cfg else None)
+    if not target_path:
+        raise _err(f"{src.path}: no target recorded; pass --target")
+    tcfg = TargetConfig(path=target_path)
+    if run_cfg is not None and run_cfg.target.path == target_path:
+        tcfg = run_cfg.target
+    tgt = load_target(tcfg)
+    if src.config.vocab_size and src.config.vocab_size != tgt.vocab_size:
+        raise _err(f"drafter {src.path} was made for a vocabulary of {src.config.vocab_size}, "
+                   f"target {target_path} has {tgt.vocab_size}")
+    if src.config.hidden_size != tgt.hidden_size or max(src.config.target_layer_ids) >= tgt.num_layers:
+        raise _err(f"drafter {src.path} (hidden {src.config.hidden_size}, target layers "
+                   f"{src.config.target_layer_ids}) does not fit target {target_path} "
+                   f"(hidden {tgt.hidden_size}, {tgt.num_layers} layers)")
+    model = DFlashDrafter(src.config, seed=seed)
+    if not untrained:
+        missing, unexpected = model.load_state_dict(src.state_dict, strict=False)
+        if missing or unexpected:
+            raise _err(f"{src.path}: weights do not fit the drafter config: missing {missing[:4]}, "
+                       f"unexpected {unexpected[:4]}")
+    model.to(tgt.device).eval()
+    if prompt_list is None:
+        prompt_list = _heldout_from_run(run_cfg, tgt, num_prompts)
+    progress = None
+    if not as_json:
+        import sys
+
+        def progress(i: int, n: int) -> None:
+            print(f"  prompt {i}/{n}", file=sys.stderr, flush=True)
+
+    res = evaluate_tau(model, tgt, prompt_list, max_new_tokens, temperature, seed, progress=progress)
+    res.update({
+        "drafter": str(src.path),
+        "step": src.step,
+        "target": target_path,
+        "untrained": bool(untrained),
+        "prompts": prompts,
+    })
+    if as_json:
+        print(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in res.items()}))
+    else:
+        kind = "untrained drafter (random init)" if untrained else f"{src.kind} {src.path}"
+        _print_table(res, f"DFlash eval: {kind} vs {target_path}, T={temperature}")
+    return res
