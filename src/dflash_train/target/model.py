@@ -250,6 +250,9 @@ class Target:
             return torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, torch.finfo(self.dtype).min)
 
         types = set(self.layer_types)
+        unknown = types - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise TargetError(f"capture does not know the attention layer types {sorted(unknown)} of this target")
         if types:
             masks = {}
             for t in types:
