@@ -131,7 +131,7 @@ class Trainer:
                  self.target.vocab_size, self.target.mask_token_id)
         self.drafter_cfg = DrafterConfig.from_target(cfg.model, self.target)
         torch.manual_seed(cfg.train.seed)
-        self.drafter = DFlashDrafter(self.drafter_cfg).to(self.device)
+        self.drafter = DFlashDrafter(self.drafter_cfg, seed=cfg.train.seed).to(self.device)
         n_params = sum(p.numel() for p in self.drafter.parameters())
         log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d",
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
