@@ -230,6 +230,7 @@ def test_vocab_subset():
 
 def test_gradients_reach_every_drafter_param_and_not_the_target():
     t, d, ids, lm, docs, feats = setup_loss(trainable_target=True)
+    docs = docs.to(torch.int32)  # the packed-row dtype of data/
     out = dflash_loss(d, t, ids, lm, docs, feats, 9, torch.Generator().manual_seed(0), chunk_blocks=2)
     assert torch.isfinite(out.loss)
     out.loss.backward()
