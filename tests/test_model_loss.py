@@ -272,3 +272,29 @@ def test_bfloat16_step_runs_close_to_fp32():
     assert out.loss.dtype == torch.float32 and abs(out.loss.item() - ref) < 0.05 * abs(ref)
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
                for p in d.parameters())
+
+
+def test_wrapped_drafter_and_autocast():
+    """The trainer passes the drafter wrapped (DDP: .module) and runs under bf16 autocast."""
+
+    class Wrapper(torch.nn.Module):  # stands in for DistributedDataParallel
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+        def forward(self, *a, **k):
+            return self.module(*a, **k)
+
+    t, d, ids, lm, docs, feats = setup_loss()
+    anchors = sample_anchors(lm, docs, 6, 4, torch.Generator().manual_seed(0))
+    ref = dflash_loss(d, t, ids, lm, docs, feats, 6, None, anchors=anchors).loss
+    out = dflash_loss(Wrapper(d), t, ids, lm, docs, feats, 6, None, anchors=anchors).loss
+    assert torch.equal(out, ref)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = dflash_loss(Wrapper(d), t, ids, lm, docs, feats, 6, None, anchors=anchors)
+        with torch.no_grad():  # flex (eager, forward only on CPU) under autocast too
+            flex = dflash_loss(d, t, ids, lm, docs, feats, 6, None, anchors=anchors, backend="flex")
+    out.loss.backward()
+    assert abs(out.loss.item() - ref.item()) < 0.05 * ref.item()
+    assert abs(flex.loss.item() - ref.item()) < 0.05 * ref.item()
+    assert all(torch.isfinite(p.grad).all() for p in d.parameters())

@@ -264,6 +264,10 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask) -> torch.Tensor:
         """q [B, nh, Q, D], k/v [B, nkv, KV, D]; mask: dense bool [B,1,Q,KV] or a flex BlockMask."""
+        if q.dtype != v.dtype:
+            # under autocast, q/k leave the fp32-weighted norms/RoPE in fp32 while v is the
+            # autocast dtype; flex_attention needs one dtype (SDPA would cast the same way)
+            q, k = q.to(v.dtype), k.to(v.dtype)
         if mask is None or isinstance(mask, torch.Tensor):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.nh != self.nkv)
         else:

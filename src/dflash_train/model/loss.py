@@ -192,6 +192,15 @@ def subset_labels(labels: torch.Tensor, vocab_subset: torch.Tensor, vocab_size: 
     return lookup[labels]
 
 
+def unwrap(model):
+    """The DFlashDrafter inside DDP (.module) and/or torch.compile (._orig_mod) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
 def dflash_loss(
     drafter,
     target,
@@ -217,7 +226,8 @@ def dflash_loss(
     max_chunk_logits: cap on one chunk's logits elements (memory bound for huge vocabularies).
     No host syncs: correct/count/num_blocks stay device tensors.
     """
-    cfg = drafter.cfg
+    core = unwrap(drafter)  # attributes from the drafter itself; the call goes through the wrapper (DDP hooks)
+    cfg = core.cfg
     bs = cfg.block_size
     if gamma is None:
         gamma = default_gamma(bs)
@@ -229,7 +239,7 @@ def dflash_loss(
     block_ids, labels, weights, supervised = make_blocks(
         input_ids, loss_mask, document_ids, anc, valid, bs, cfg.mask_token_id, gamma
     )
-    dtype = drafter.fc.weight.dtype
+    dtype = core.fc.weight.dtype
     with torch.no_grad():  # the target is frozen: never let a gradient reach its embedding
         block_embeds = target.embed(block_ids).to(dtype)
     hidden = drafter(block_embeds, anc, valid, document_ids, features=features.to(dtype), backend=backend)
