@@ -1,7 +1,6 @@
 """Drafter config, state_dict names, init, and training forward == block-by-block cached inference."""
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch

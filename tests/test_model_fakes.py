@@ -5,7 +5,6 @@ nn.Embedding and lm_head; it does not depend on src/dflash_train/target/.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 

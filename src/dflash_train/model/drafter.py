@@ -12,8 +12,7 @@ state_dict names are the export names (`layers.0.self_attn.q_proj.weight`,
 """
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
