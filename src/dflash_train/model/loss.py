@@ -8,8 +8,9 @@ predicting a+k+1 is the classic silent bug) with weight
 
 and loss = sum(w * CE) / sum(w). The lm_head (vocab ~262K for Gemma) dominates
 the cost, so logits are produced chunk by chunk and never all at once; the
-gradient of each chunk w.r.t. the drafter hidden is computed in the forward
-(one extra matmul instead of a saved [N, V] logits tensor or a recompute).
+gradient of each chunk w.r.t. the drafter hidden is computed right there in the
+forward, by hand (2 matmuls per chunk: logits and dlogits @ W; no saved [N, V]
+tensor, no recompute, the softmax gradient written in place into the logits).
 """
 from __future__ import annotations
 
