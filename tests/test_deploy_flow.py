@@ -27,10 +27,38 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sshd import LoopbackSshd, sshd_unavailable  # noqa: E402
-from trainrun import REPO, env, losses, metrics, tiny_overrides, train_cmd, wait_for, wait_step  # noqa: E402
+from trainrun import REPO, env, tiny_overrides, train_cmd, wait_for  # noqa: E402
 
 SRC_PKG = REPO / "src" / "dflash_train"
 DEPLOY_TIMEOUT = 400
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl of a run that may be writing it right now (a partial last line is skipped)."""
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics(run_dir) if not r.get("eval")}
+
+
+def wait_step(run_dir: Path, step: int, proc: subprocess.Popen | None = None, timeout: float = 180) -> None:
+    def ok():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"trainer exited early with {proc.returncode}")
+        return any(s >= step for s in losses(run_dir))
+
+    wait_for(ok, timeout, what=f"step {step}")
 
 
 def job_overrides(target: Path, jsonl: Path) -> list[str]:
