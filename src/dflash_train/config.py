@@ -150,6 +150,14 @@ class LoggingConfig(_Section):
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
 
 
+class DemoConfig(_Section):
+    """Only `dflash-train demo` reads these: how much data the target rewrites."""
+
+    regenerate_conversations: int = Field(64, ge=1)
+    regenerate_tokens: int = Field(64, ge=1)
+    regenerate_batch: int = Field(16, ge=1)
+
+
 class RunConfig(_Section):
     name: str = "default"
     model: ModelConfig = ModelConfig()
@@ -160,6 +168,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
+    demo: DemoConfig = DemoConfig()
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

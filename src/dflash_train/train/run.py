@@ -68,14 +68,16 @@ def vocab_subset_from_rows(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: 
     return torch.sort(order[:k]).values
 
 
-def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list[str] | None = None) -> int:
+def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list[str] | None = None,
+                 target=None) -> int:
+    """Train; returns the process exit code. `target`: an already loaded Target to reuse (demo)."""
     from dflash_train.train import distributed as dd
 
     ctx = dd.DistContext.from_env(cfg)
     try:
         if ctx.is_target_rank:
             return dd.serve_target_rank(cfg, Path(run_dir), ctx)
-        code = Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx).run()
+        code = Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx, target).run()
     finally:
         ctx.shutdown()
     if code == 130:
@@ -89,8 +91,9 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: Path, resume: str, argv: list[str], ctx) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: str, argv: list[str], ctx, target=None) -> None:
         self.cfg = cfg
+        self._given_target = target
         self.run_dir = run_dir
         self.resume_arg = resume
         self.argv = argv
@@ -125,7 +128,7 @@ class Trainer:
         self.device = self.ctx.trainer_device(resolve_device(cfg.train.device))
         seed_everything(cfg.train.seed)
         t0 = time.perf_counter()
-        self.target = load_target(cfg.target, device=self.ctx.target_device(self.device))
+        self.target = self._given_target or load_target(cfg.target, device=self.ctx.target_device(self.device))
         log.info("target %s loaded in %.1fs: %d layers, hidden %d, vocab %d, mask token %d",
                  cfg.target.path, time.perf_counter() - t0, self.target.num_layers, self.target.hidden_size,
                  self.target.vocab_size, self.target.mask_token_id)
@@ -471,6 +474,7 @@ class Trainer:
             self._mark_best_if(False)
             return
         prompts = heldout_prompts(self.data.heldout, self.cfg.eval.num_prompts)
+        log.info("eval at step %d: %d held-out prompts", self.state.step, len(prompts))
         self.drafter.eval()
         res = evaluate_tau(self.drafter, self.target, prompts, self.cfg.eval.max_new_tokens,
                            self.cfg.eval.temperature, seed=self.cfg.train.seed, measure_plain=False)
