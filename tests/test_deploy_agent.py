@@ -250,3 +250,20 @@ def test_preflight_refuses_cuda_config_on_cpu_torch(tmp_path):
     assert verdict["ok"] is False and checks["config"]["ok"] and checks["features"]["ok"] is False, verdict
     assert "cuda" in checks["features"]["detail"]
     assert "checkpoint" not in checks
+
+
+def test_prune_keeps_current_previous_initial(tmp_path, capsys):
+    rd = tmp_path / "run"
+    for i, rid in enumerate(["initial", "a", "b", "c", "d"]):
+        d = rd / "releases" / rid
+        (d / "src" / "dflash_train").mkdir(parents=True)
+        (d / "stop-checkpoint" / "step-00000001").mkdir(parents=True)
+        assert ag(capsys, "write-release", "--run-dir", rd, "--id", rid)["ok"]
+        os.utime(d / "release.json", (1000 + i, 1000 + i))
+    ag(capsys, "switch", "--run-dir", rd, "--id", "a")
+    ag(capsys, "switch", "--run-dir", rd, "--id", "d")
+    res = ag(capsys, "prune", "--run-dir", rd, "--keep", "2")
+    left = sorted(p.name for p in (rd / "releases").iterdir() if p.is_dir() and not p.is_symlink())
+    assert left == ["a", "c", "d", "initial"], res  # b: oldest unprotected beyond keep=2
+    assert (rd / "releases" / "d" / "stop-checkpoint").exists()  # current keeps its rollback point
+    assert not (rd / "releases" / "a" / "stop-checkpoint").exists()

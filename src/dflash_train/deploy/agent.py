@@ -536,6 +536,33 @@ def op_history(a) -> dict:
     return {"ok": True}
 
 
+def op_prune(a) -> dict:
+    """Bound the disk used by releases: the preserved stop checkpoint and the
+    abandoned checkpoints of every release but `current` are removed (they
+    only serve the rollback of the latest deploy; hard links cost nothing
+    until retention deletes the originals), and beyond the newest `keep`
+    releases the oldest are removed (never current, previous or initial).
+    `spare` (the release just deployed or rolled back) keeps everything, so a
+    failed release's abandoned checkpoints stay for inspection until the next deploy."""
+    rel = Path(a.run_dir) / RELEASES
+    st = releases_state(Path(a.run_dir))
+    protected = {st.get("current"), st.get("previous"), "initial"}
+    removed = []
+    for name in st["list"]:
+        if name in (st.get("current"), a.spare):
+            continue
+        for sub in ("stop-checkpoint", "abandoned-checkpoints"):
+            if (rel / name / sub).exists():
+                shutil.rmtree(rel / name / sub, ignore_errors=True)
+                removed.append(f"{name}/{sub}")
+    by_age = sorted(st["list"], key=lambda n: (rel / n / RELEASE_FILE).stat().st_mtime)
+    for name in by_age[: max(0, len(by_age) - a.keep)]:
+        if name not in protected and name != a.spare:
+            shutil.rmtree(rel / name, ignore_errors=True)
+            removed.append(name)
+    return {"ok": True, "removed": removed}
+
+
 def op_preserve(a) -> dict:
     src = Path(a.run_dir) / "checkpoints" / f"step-{a.step:08d}"
     dest = Path(a.run_dir) / RELEASES / a.id / "stop-checkpoint" / src.name
@@ -722,6 +749,7 @@ def main(argv=None) -> int:
         ("--steps", {"type": int, "default": 3}), ("--timeout", {"type": float, "default": 300.0}),
         ("--min-tps", {"type": float, "default": 0.0}), ("--log", {"required": True}),
         ("--log-offsets", {"default": ""}), ("--poll", {"type": float, "default": 0.2}))
+    add("prune", op_prune, ("--keep", {"type": int, "default": 10}), ("--spare", {"default": None}))
     add("history", op_history, ("--entry", {"required": True}))
     add("log-offsets", op_log_offsets, ("--log", {"required": True}))
     add("baseline", op_baseline, ("--n", {"type": int, "default": 3}), ("--upto", {"type": int, "default": None}))

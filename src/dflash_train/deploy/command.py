@@ -58,6 +58,7 @@ HERE = Path(__file__).resolve().parent
 AGENT_SRC = (HERE / "agent.py").read_text()
 PREFLIGHT_SRC = (HERE / "preflight.py").read_text()
 CODE_EXCLUDES = ("__pycache__", "*.pyc", "*.pyo")
+KEEP_RELEASES = int(os.environ.get("DFLASH_DEPLOY_KEEP_RELEASES", "10"))
 
 
 class DeployError(Exception):
@@ -145,6 +146,13 @@ class Deployer:
                 entry["code"] = self.code
                 try:
                     self.agent("history", entry=entry)
+                except DeployError:
+                    pass
+            if self.locked and self.report.get("result") in ("deployed", "rolled_back"):
+                try:
+                    pr = self.agent("prune", keep=KEEP_RELEASES, spare=self.report.get("release"))
+                    if pr.get("removed"):
+                        self.line("prune", f"removed {', '.join(pr['removed'])}")
                 except DeployError:
                     pass
             if self.locked:
