@@ -225,6 +225,18 @@ class TestPreflightRefusals:
         assert check["config"]["ok"] is False and "grad_clip" in check["config"]["detail"]
         _assert_untouched(job_a, pid, rep)
 
+    def test_changed_default_that_would_change_the_run_config_is_refused(self, job_a, tmp_path):
+        """The job did not set train.grad_clip; a release that changes its default
+        would silently change the running job's config on restart."""
+        pid = job_a.record()["pid"]
+        code = code_copy(tmp_path / "default", lambda pkg: replace_in(
+            pkg / "config.py", "grad_clip: float = Field(1.0,", "grad_clip: float = Field(2.0,"))
+        rc, rep, err = deploy(job_a.run_dir, code)
+        assert rc == 1 and rep["result"] == "refused", err
+        check = {c["name"]: c for c in rep["preflight"]["checks"]}
+        assert check["config"]["ok"] is False and "train.grad_clip: 1.0 -> 2.0" in check["config"]["detail"]
+        _assert_untouched(job_a, pid, rep)
+
     @pytest.mark.skipif(sshd_unavailable() is not None, reason=str(sshd_unavailable()))
     def test_dry_run_of_a_git_ref_through_ssh_and_pct(self, job_a, tmp_path):
         """--code GIT_REF: `git archive` of the commit over ssh -> pct, preflight

@@ -359,7 +359,8 @@ class Deployer:
 
     def _preflight(self, release_id: str) -> dict:
         env = self._release_env(release_id)
-        argv = [self.python, "-", "--release-src", f"{self.run_dir}/releases/{release_id}/src", "--run-dir", self.run_dir]
+        argv = [self.python, "-", "--release-src", f"{self.run_dir}/releases/{release_id}/src", "--run-dir", self.run_dir,
+                "--train-args", json.dumps(self._train_argv(None)[4:])]
         try:
             cp = self.t.run(argv, timeout=900, input=PREFLIGHT_SRC, env=env, cwd=self.cwd)
         except subprocess.TimeoutExpired:

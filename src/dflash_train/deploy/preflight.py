@@ -13,7 +13,11 @@ depend on it are skipped):
 1. compile   every .py file of the release byte-compiles (py_compile)
 2. import    every module of the package imports in this fresh interpreter,
              and `dflash_train` really comes from the release (not shadowed)
-3. config    RUN_DIR/config.yaml validates against the NEW schema (load_config)
+3. config    RUN_DIR/config.yaml validates against the NEW schema (load_config),
+             and the job's own command line (--config + overrides, resolved in
+             the job's cwd by the new code, i.e. what the restart will run)
+             gives exactly that config (no silent mid-run config change from
+             a changed default or an edited config file)
 4. features  what the config needs exists here: CUDA when the run trains on
              cuda (device=cuda, or auto on a CUDA host), flex attention's
              create_block_mask on that torch when on cuda, bf16 support
@@ -108,7 +112,38 @@ def check_import(v: Verdict, src: Path) -> bool:
     return v.add("import", True, f"{len(names)} modules imported from {want}")
 
 
-def check_config(v: Verdict, run_dir: Path):
+def split_train_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """(--config value, positional overrides) of `dflash-train train` arguments."""
+    config, overrides, i = None, [], 0
+    takes_value = {"--config", "-c", "--run-dir", "--resume"}
+    while i < len(args):
+        a = args[i]
+        if a in takes_value:
+            if a in ("--config", "-c") and i + 1 < len(args):
+                config = args[i + 1]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        elif not a.startswith("-"):
+            overrides.append(a)
+        i += 1
+    return config, overrides
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_config(v: Verdict, run_dir: Path, train_args: list[str] | None = None):
+    """RUN_DIR/config.yaml under the new schema; and the job's own command
+    line (what the restart will resolve, in this cwd) must give the same config."""
     from dflash_train.config import load_config
 
     path = run_dir / "config.yaml"
@@ -120,7 +155,25 @@ def check_config(v: Verdict, run_dir: Path):
     except BaseException as e:  # noqa: BLE001 - ConfigError or anything the new schema raises
         v.add("config", False, f"{path} does not validate against the new schema: {e}")
         return None
-    v.add("config", True, f"{path} validates (hash {cfg.hash() if hasattr(cfg, 'hash') else '?'})")
+    detail = f"{path} validates (hash {cfg.hash() if hasattr(cfg, 'hash') else '?'})"
+    if train_args is not None:
+        cfile, overrides = split_train_args(train_args)
+        try:
+            again = load_config(cfile, overrides)
+        except BaseException as e:  # noqa: BLE001
+            v.add("config", False, f"the job's command line (--config {cfile}, {len(overrides)} overrides) no longer "
+                                   f"resolves under the new code: {e}")
+            return None
+        a, b = _flat(cfg.model_dump(mode="json")), _flat(again.model_dump(mode="json"))
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        if diff:
+            shown = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in diff[:6])
+            v.add("config", False, f"restarting with the job's command line would change the run's config ({shown}"
+                                   f"{' ...' if len(diff) > 6 else ''}): a changed default in the new code or an edited "
+                                   f"config file; the restart must resolve to {path}")
+            return None
+        detail += "; the job's command line resolves to the same config"
+    v.add("config", True, detail)
     return cfg
 
 
@@ -265,7 +318,7 @@ def _check_checkpoint(v: Verdict, name: str, ckpt: Path) -> bool:
     return v.add("checkpoint", True, f"{name}: {len(want)} tensors load strictly into the new drafter", step=man.get("step"))
 
 
-def run(release_src: Path, run_dir: Path, checkpoint: str | None = None) -> Verdict:
+def run(release_src: Path, run_dir: Path, checkpoint: str | None = None, train_args: list[str] | None = None) -> Verdict:
     v = Verdict()
     pkg = release_src / "dflash_train"
     if not pkg.is_dir():
@@ -275,7 +328,7 @@ def run(release_src: Path, run_dir: Path, checkpoint: str | None = None) -> Verd
         return v
     if not check_import(v, release_src):
         return v
-    cfg = check_config(v, run_dir)
+    cfg = check_config(v, run_dir, train_args)
     if cfg is None:
         return v
     if not check_features(v, cfg):
@@ -289,11 +342,12 @@ def main(argv=None) -> int:
     ap.add_argument("--release-src", required=True, help="the release's src dir (holding dflash_train/)")
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--checkpoint", default=None, help="checkpoint dir (default: the run's latest)")
+    ap.add_argument("--train-args", default=None, help="JSON list: the job's `train` arguments (after 'train')")
     a = ap.parse_args(argv)
     t0 = time.monotonic()
-    # the release must win over anything else on sys.path (cwd, editable installs)
     try:
-        v = run(Path(a.release_src), Path(a.run_dir), a.checkpoint)
+        train_args = json.loads(a.train_args) if a.train_args else None
+        v = run(Path(a.release_src), Path(a.run_dir), a.checkpoint, train_args)
         out = {"ok": v.ok, "checks": v.checks}
     except BaseException as e:  # noqa: BLE001
         out = {"ok": False, "checks": [{"name": "preflight", "ok": False, "detail": f"preflight crashed: {_short_exc(e)}"}]}

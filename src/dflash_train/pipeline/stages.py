@@ -76,6 +76,18 @@ class StageStats:
         return out
 
 
+def name_os_thread(name: str) -> None:
+    """Give the calling thread its name at the OS level too, so `top -H` shows
+    target-worker-N / postprocess-N (Python names alone only reach py-spy)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 class _Failure:
     def __init__(self, exc: BaseException, where: str) -> None:
         self.exc, self.where = exc, where
@@ -195,6 +207,7 @@ class Pipeline:
 
     def _worker_loop(self) -> None:
         name = threading.current_thread().name
+        name_os_thread(name)
         stream = None
         try:
             src_dev = getattr(self.source, "device", torch.device("cpu"))
@@ -232,6 +245,7 @@ class Pipeline:
                 self._put(self._raw, None)
 
     def _post_loop(self) -> None:
+        name_os_thread(threading.current_thread().name)
         pending: dict[int, _Raw] = {}
         want = 0
         copy_stream = None

@@ -12,6 +12,7 @@ import math
 import os
 import random
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,6 +264,7 @@ class Trainer:
         from dflash_train.checkpoint import CheckpointManager
         from dflash_train.control.signals import AbortRun, StopController
 
+        threading.current_thread().name = "trainer"  # what py-spy / profile show for this stage
         self._setup_run_dir()
         stopper = StopController()
         stopper.install()
