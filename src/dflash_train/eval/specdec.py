@@ -62,6 +62,17 @@ def _make_target_cache(hf_model):
     return cache
 
 
+def _cache_kw(hf_model) -> str:
+    """transformers >= 5.2x names the KV-cache argument `cache` (`past_key_values` is deprecated)."""
+    import inspect
+
+    try:
+        params = inspect.signature(hf_model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _crop_to(cache, length: int) -> None:
     """Drop cached positions >= length (crop(0) still shrinks sliding layers to their working size)."""
     remove = cache.get_seq_length() - length
@@ -169,13 +180,14 @@ def plain_generate(
     gen = _gen_for(device, generator)
     stops = set(int(s) for s in (stop_token_ids or []))
     cache = _make_target_cache(model)
+    ck = _cache_kw(model)
     pos = torch.arange(n, device=device)[None]
-    out = model(input_ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{ck: cache})
     tokens = [int(_pick(out.logits[:, -1], temperature, gen)[0].item())]
     while len(tokens) < max_new_tokens and tokens[-1] not in stops:
         p = n + len(tokens) - 1
         ids = torch.tensor([[tokens[-1]]], device=device)
-        out = model(ids, position_ids=torch.tensor([[p]], device=device), past_key_values=cache, use_cache=True)
+        out = model(ids, position_ids=torch.tensor([[p]], device=device), use_cache=True, **{ck: cache})
         tokens.append(int(_pick(out.logits[:, -1], temperature, gen)[0].item()))
     return torch.cat([input_ids, torch.tensor([tokens], device=device, dtype=input_ids.dtype)], dim=1)
 
@@ -219,8 +231,9 @@ def speculative_generate(
     positions = torch.arange(max_length + 1, device=device)[None]
 
     tcache = _make_target_cache(model)
-    out = model(input_ids, position_ids=positions[:, :n], past_key_values=tcache, use_cache=True,
-                logits_to_keep=1, output_hidden_states=True)
+    ck = _cache_kw(model)
+    out = model(input_ids, position_ids=positions[:, :n], use_cache=True, logits_to_keep=1,
+                output_hidden_states=True, **{ck: tcache})
     output_ids[:, n] = _pick(out.logits[:, -1], temperature, gen)
     dcache = drafter.new_cache()
     drafter.extend_context(dcache, _features(out.hidden_states, layer_ids), 0)
@@ -242,8 +255,8 @@ def speculative_generate(
         else:
             block[:, 1:] = torch.argmax(draft_logits, dim=-1)
 
-        out = model(block, position_ids=positions[:, start:start + vs], past_key_values=tcache,
-                    use_cache=True, output_hidden_states=True)
+        out = model(block, position_ids=positions[:, start:start + vs], use_cache=True,
+                    output_hidden_states=True, **{ck: tcache})
         if temperature > 0:
             p = sampling_probs(out.logits[0], temperature)  # [vs, V]
             accepted, nxt = rejection_sample(block[0, 1:], q[0], p, gen)
