@@ -366,7 +366,7 @@ class TestDeployAndRollback:
         code = code_copy(tmp_path / "v3", lambda pkg: (pkg / "__init__.py").write_text(
             (pkg / "__init__.py").read_text() + '\nDEPLOY_TEST_MARK = "v3"\n'))
         # an unreachable speed bar: the health check fails at its timeout with the process alive
-        rc, rep, err = deploy(rd, code, "--min-speed", "1000000", "--health-timeout", "25")
+        rc, rep, err = deploy(rd, code, "--min-speed", "1000000", "--health-timeout", "18")
         assert rc == 1 and rep["result"] == "rolled_back", err + json.dumps(rep, indent=1)[-4000:]
         assert "below the minimum" in rep["failure"] or "not healthy" in rep["failure"], rep["failure"]
         stop_step = rep["stop"]["step"]

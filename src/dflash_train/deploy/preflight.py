@@ -44,9 +44,12 @@ from pathlib import Path
 class Verdict:
     def __init__(self) -> None:
         self.checks: list[dict] = []
+        self._t = time.monotonic()
 
     def add(self, name: str, ok: bool, detail: str = "", **extra) -> bool:
-        self.checks.append({"name": name, "ok": bool(ok), "detail": detail, **extra})
+        now = time.monotonic()
+        self.checks.append({"name": name, "ok": bool(ok), "detail": detail, "seconds": round(now - self._t, 3), **extra})
+        self._t = now
         return ok
 
     @property
