@@ -173,3 +173,34 @@ def test_stop_and_deploy_refuse_a_reused_pid(ssh_env, tmp_path, capfd):
     finally:
         victim.kill()
         victim.wait()
+
+
+def test_status_json_comes_back_through_ssh_and_pct(ssh_env, tmp_path, capfd):
+    """`status RUN --json --via ssh --via pct` runs status on the far end; its
+    JSON is printed here unchanged; exit 0 live / 3 not live."""
+    import socket
+
+    import psutil
+
+    rd = tmp_path / "run dir 'q'"
+    rd.mkdir()
+    proc = subprocess.Popen(["sleep", "120"], stdin=subprocess.DEVNULL)
+    try:
+        (rd / "run.json").write_text(json.dumps({
+            "pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(), "hostname": socket.gethostname(),
+            "argv": ["dflash-train", "train"], "live": True, "step": 42, "code_version": "abc"}))
+        (rd / "metrics.jsonl").write_text(json.dumps({"step": 42, "loss": 1.5, "tokens_per_s": 99.0}) + "\n")
+        rc = remote_call([ssh_env.url, "pct:200"], ["status", str(rd), "--json"], timeout=120)
+        out = capfd.readouterr()
+        assert rc == 0, out.err
+        info = json.loads(out.out)
+        assert info["live"] is True and info["step"] == 42 and info["pid"] == proc.pid and info["run_dir"] == str(rd)
+        proc.kill()
+        proc.wait()
+        rc = remote_call([ssh_env.url], ["status", str(rd), "--json"], timeout=120)
+        out = capfd.readouterr()
+        assert rc == 3 and json.loads(out.out)["live"] is False
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
