@@ -184,3 +184,13 @@ def test_cli_export_errors_are_one_line(tmp_path):
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, ["export", str(run), "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "--force" in r.output and "Traceback" not in r.output
+
+
+def test_readme_uses_demo_summary(tmp_path):
+    run, _ = _make_run(tmp_path, steps=(4,))
+    (run / "summary.json").write_text(json.dumps({"tau_trained": 1.8125, "tau_untrained": 1.0}))
+    out = export_checkpoint(run, tmp_path / "o")
+    readme = (out / "README.md").read_text()
+    assert "1.812" in readme or "1.813" in readme
+    assert "untrained drafter of the same shape: 1.000" in readme
+    assert json.loads((out / "config.json").read_text())["dflash_train"]["tau"] == 1.8125

@@ -37,15 +37,11 @@ README_FILE = "README.md"
 _FOREIGN = ("embed_tokens", "lm_head")
 
 
-def _user_error_cls():
-    from dflash_train.cli import UserError
-
-    return UserError
-
-
 def _err(msg: str) -> Exception:
-    """An error the CLI prints as one line (cli.UserError) without a traceback."""
-    return _user_error_cls()(msg)
+    """An error the CLI prints as one line (UserError) without a traceback."""
+    from dflash_train.errors import UserError
+
+    return UserError(msg)
 
 
 # --------------------------------------------------------------------------- config mapping
@@ -357,9 +353,14 @@ def run_summary(run_dir: Path | None, step: int | None, meta: dict[str, Any]) ->
         s["tau"] = evals[-1]["tau"]
         s["tau_step"] = evals[-1].get("step")
         s["best_tau"] = max(r["tau"] for r in evals if isinstance(r["tau"], (int, float)))
-    for k in ("tau", "tau_untrained", "final_loss", "tokens", "steps", "speedup"):
-        if isinstance(summ, dict) and summ.get(k) is not None and s.get(k) is None:
-            s[k] = summ[k]
+    if isinstance(summ, dict):
+        # the demo's summary.json names the trained drafter's tau "tau_trained"
+        if summ.get("tau_trained") is not None:
+            s["tau"] = summ["tau_trained"]
+            s.pop("tau_step", None)
+        for k in ("tau", "tau_untrained", "final_loss", "tokens", "steps", "speedup"):
+            if summ.get(k) is not None and s.get(k) is None:
+                s[k] = summ[k]
     return s
 
 

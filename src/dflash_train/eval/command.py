@@ -23,9 +23,20 @@ from dflash_train.eval.specdec import acceptance_histogram, plain_generate, spec
 
 
 def _err(msg: str) -> Exception:
-    from dflash_train.cli import UserError
+    from dflash_train.errors import UserError
 
     return UserError(msg)
+
+
+def _jsonable(v: Any) -> Any:
+    """NaN/inf -> None (strict JSON), recursively."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
 
 
 # --------------------------------------------------------------------------- prompts
@@ -329,7 +340,7 @@ def eval_command(
         "prompts": prompts,
     })
     if as_json:
-        print(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in res.items()}))
+        print(json.dumps(_jsonable(res), allow_nan=False))
     else:
         kind = "untrained drafter (random init)" if untrained else f"{src.kind} {src.path}"
         _print_table(res, f"DFlash eval: {kind} vs {target_path}, T={temperature}")
