@@ -326,6 +326,8 @@ class TestDeployAndRollback:
         assert steps == sorted(set(steps)), "metrics.jsonl has duplicate or out-of-order steps after the deploy"
 
     def test_crash_after_start_rolls_back_to_previous_release(self, job_b, tmp_path):
+        """Deployed through ssh -> pct (local if no sshd): the new release crashes
+        after start; rollback restarts the previous release from the same checkpoint."""
         job, state = job_b
         if "release" not in state:
             pytest.skip("needs the successful deploy of the previous test")
@@ -334,8 +336,18 @@ class TestDeployAndRollback:
         code = code_copy(tmp_path / "crash", lambda pkg: replace_in(
             pkg / "train" / "run.py", "    def _loop(self, stopper) -> int:\n",
             "    def _loop(self, stopper) -> int:\n        raise RuntimeError('deploy test: this release crashes after start')\n"))
-        rc, rep, err = deploy(job.run_dir, code)
+        # through ssh -> pct when an sshd is available: the whole flow, detached starts included, over the chain
+        sshd = None if sshd_unavailable() else LoopbackSshd.start(tmp_path / "sshd", extra_path=[str(Path(sys.executable).parent)])
+        try:
+            via = ["--via", sshd.url, "--via", "pct:200"] if sshd else []
+            extra_env = {"DFLASH_SSH_OPTIONS": sshd.ssh_options, "DFLASH_REMOTE_PYTHON": sys.executable} if sshd else {}
+            rc, rep, err = deploy(job.run_dir, code, *via, env_extra=extra_env)
+        finally:
+            if sshd:
+                sshd.stop()
         assert rc == 1 and rep["result"] == "rolled_back", err + json.dumps(rep, indent=1)[-4000:]
+        if sshd:
+            assert rep["transport"].endswith("-> pct:200")
         names = [p["name"] for p in rep["phases"]]
         assert names[:8] == ["connect", "release", "preflight", "baseline", "stop", "switch", "start", "health"]
         assert names[8:] == ["rollback-stop", "rollback-switch", "rollback-start", "rollback-health"]
