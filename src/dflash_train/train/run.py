@@ -101,6 +101,7 @@ class Trainer:
         self.ctx = ctx
         self.is_leader = ctx.is_leader
         self.state = TrainState()
+        self._eval_prompts: list[str] | None = None
 
     # ------------------------------------------------------------------ set-up
     def _setup_run_dir(self) -> None:
@@ -470,12 +471,16 @@ class Trainer:
         return _null()
 
     def _in_training_eval(self, metrics) -> None:
-        from dflash_train.eval.command import evaluate_tau, heldout_prompts
+        from dflash_train.eval.command import evaluate_tau
+        from dflash_train.eval.selection import pick_eval_prompts
 
         if not self.is_leader:
             self._mark_best_if(False)
             return
-        prompts = heldout_prompts(self.data.heldout, self.cfg.eval.num_prompts)
+        if self._eval_prompts is None:
+            self._eval_prompts = pick_eval_prompts(self.data.heldout, self.cfg.eval.num_prompts, self.target,
+                                                   self.cfg.data.max_tokens)
+        prompts = self._eval_prompts
         log.info("eval at step %d: %d held-out prompts", self.state.step, len(prompts))
         self.drafter.eval()
         res = evaluate_tau(self.drafter, self.target, prompts, self.cfg.eval.max_new_tokens,
