@@ -91,6 +91,11 @@ def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
     rc.target.device = "cpu"
     rc.data.source = f"jsonl:{data}"
     rc.data.heldout_fraction = 0.3
+    # a demo run trains on regenerated answers; held-out prompts still come from the source
+    regen = tmp_path / "regenerated.jsonl"
+    regen.write_text(json.dumps({"id": "r0", "conversations": [{"from": "human", "value": "hi"},
+                                                             {"from": "gpt", "value": "hello"}]}) + "\n")
+    rc.data.regenerated = str(regen)
     save_config(rc, run / "config.yaml")
     mgr = CheckpointManager(run / "checkpoints", keep_last=2, async_save=False)
     mgr.save(4, dr.state_dict(), {}, {"step": 4, "drafter_config": dr.cfg.to_dict(), "target_path": str(tdir)})
@@ -99,6 +104,13 @@ def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
     obj = json.loads(capsys.readouterr().out)
     assert obj["num_prompts"] == 2 and obj["step"] == 4 and obj["outputs_match"] is True
     assert res["target"] == str(tdir)
+    from dflash_train.data.sources import is_heldout, read_conversations
+
+    convs, _ = read_conversations(f"jsonl:{data}", None)
+    expect = [c.prompt for c in convs if is_heldout(c, 0.3)][:2]
+    from dflash_train.eval import command as C
+
+    assert C._heldout_from_run(rc, t, 2) == expect
 
 
 def test_heldout_prompts_shapes():

@@ -223,6 +223,10 @@ def _heldout_from_run(run_cfg, target, num_prompts: int) -> list[str]:
     if run_cfg is None:
         raise _err("--prompts heldout needs the run's config.yaml (give --drafter RUN_DIR or a checkpoint "
                    "inside one), or pass --prompts FILE.jsonl")
+    # held-out prompts come from the ORIGINAL source (a regenerated file holds the training
+    # conversations' rewritten answers, not the held-out split the run never trained on)
+    run_cfg = run_cfg.model_copy(deep=True)
+    run_cfg.data.regenerated = None
     d = run_cfg.data
     try:
         if d.source.startswith("prepared:") and not d.regenerated:
