@@ -167,7 +167,7 @@ def test_stop_and_deploy_refuse_a_reused_pid(ssh_env, tmp_path, capfd):
         out = capfd.readouterr()
         assert rc == 1
         rep = json.loads(out.out)
-        assert rep["result"] is None and "reused" in rep["message"], rep
+        assert rep["result"] == "failed" and "reused" in rep["message"], rep
         assert victim.poll() is None, "the unrelated process was signalled"
         assert not (rd / "releases" / "current").exists()
     finally:

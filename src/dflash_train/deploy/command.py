@@ -136,9 +136,18 @@ class Deployer:
         try:
             rc = self._run()
         except DeployError as e:
-            self.report.setdefault("message", str(e))
+            self.report["message"] = str(e)
+            if not self.report.get("result"):
+                self.report["result"] = "failed"
             self.line("deploy", f"FAILED: {e}")
             rc = 1
+        except KeyboardInterrupt:
+            last = self.report["phases"][-1]["name"] if self.report["phases"] else "connect"
+            self.report.update(result="interrupted", message=(
+                f"interrupted after phase '{last}': check the job with `dflash-train status {self.run_dir}` "
+                f"(releases/current says which code a restart uses)"))
+            self.line("deploy", self.report["message"])
+            rc = 130
         finally:
             if self.locked and not self.dry_run and self.report.get("release"):
                 entry = {k: self.report.get(k) for k in ("result", "release", "previous", "message", "pid")}
@@ -196,6 +205,8 @@ class Deployer:
         self.cwd = rec.get("cwd") or job.get("cwd") or "/"
         self.train_args = list(argv[1:])
         self.stop_ckpt_step: int | None = None
+        self.new_pid: int | None = None
+        self.new_ct: float | None = None
         self.phase("connect", True, f"{self.t.describe()}: pid {rec.get('pid')} live on {info['hostname']} at step "
                    f"{rec.get('step')}, python {self.python}, code {rec.get('code_version')}", t0)
         lock = self.agent("lock", owner=self.owner)
@@ -256,6 +267,14 @@ class Deployer:
                                   + "; ".join(st.get("problems") or []), started_new=False)
         self.phase("stop", True, f"pid {rec['pid']} stopped at step {st.get('step')} in {st.get('seconds')}s, "
                    f"checkpoint {ck.get('path')} verified", t0)
+        # from here on the old job is stopped: any failure, including a broken
+        # transport, ends in a rollback (which restarts the previous release)
+        try:
+            return self._switch_start_health()
+        except DeployError as e:
+            return self._rollback(str(e), started_new=self.new_pid is not None)
+
+    def _switch_start_health(self) -> int:
         pres = self.agent("preserve", id=self.release_id, step=self.stop_ckpt_step)
         if not pres.get("ok"):
             self.line("stop", f"warning: could not preserve the stop checkpoint: {pres.get('error')}")
