@@ -64,7 +64,13 @@ def metrics(run_dir: Path) -> list[dict]:
     p = run_dir / "metrics.jsonl"
     if not p.exists():
         return []
-    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # the trainer may be mid-way through writing the last line
+            continue
+    return out
 
 
 def losses(run_dir: Path) -> dict[int, float]:
