@@ -4,7 +4,6 @@ prints exactly one JSON object, drafter from an export dir / run dir,
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
