@@ -106,7 +106,7 @@ def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
     from dflash_train.data.sources import is_heldout, read_conversations
 
     convs, _ = read_conversations(f"jsonl:{data}", None)
-    expect = [c.prompt for c in convs if is_heldout(c, 0.3)][:2]
+    expect = [c.prompt for c in convs if is_heldout(c, 0.3)][:2]  # all short: none skipped for length
     from dflash_train.eval import command as C
 
     assert C._heldout_from_run(rc, t, 2) == expect

@@ -239,10 +239,14 @@ def _heldout_from_run(run_cfg, target, num_prompts: int) -> list[str]:
             convs = [c for c in read_source_conversations(run_cfg)[0] if is_heldout(c, d.heldout_fraction)]
     except DataError as e:
         raise _err(f"cannot read held-out conversations: {e}; pass --prompts FILE.jsonl") from None
-    prompts = heldout_prompts(convs, num_prompts)
+    # the same choice as the demo and the in-training eval: the first held-out prompts
+    # whose formatted form fits the row length the drafter trained at
+    from dflash_train.eval.selection import pick_eval_prompts
+
+    prompts = pick_eval_prompts(convs, num_prompts, target, d.max_tokens)
     if not prompts:
         raise _err(f"the run's data ({d.source}, heldout_fraction={d.heldout_fraction}) has no held-out "
-                   "conversations; pass --prompts FILE.jsonl")
+                   f"conversation whose prompt fits data.max_tokens={d.max_tokens}; pass --prompts FILE.jsonl")
     return prompts
 
 
