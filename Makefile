@@ -24,8 +24,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/dflash-train demo --config configs/cpu-demo.yaml
 
+# one intra-op thread per process: the tests run tiny models in several threads
+# and subprocesses at once, where oversubscribed cores cost far more than they give
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
 clean:
 	rm -rf $(VENV)
