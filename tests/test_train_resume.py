@@ -59,7 +59,8 @@ def test_run_dir_layout_and_metrics(reference):
 def test_sigterm_then_resume_is_bit_exact(setup, reference, stop_after):
     target, jsonl, root = setup
     rd = root / f"stop{stop_after}"
-    proc = start_train(rd, tiny_overrides(target, jsonl), root / f"stop{stop_after}.log")
+    slow = tiny_overrides(target, jsonl, **{"train.step_delay_seconds": 0.3})  # the signal lands mid-run
+    proc = start_train(rd, slow, root / f"stop{stop_after}.log")
     wait_step(rd, stop_after, proc)
     assert signal_and_wait(proc, signal.SIGTERM) == 0, (root / f"stop{stop_after}.log").read_text()
     stopped = max(losses(rd))
@@ -125,7 +126,8 @@ def test_third_signal_exits_at_once(setup, tmp_path):
 def test_signal_before_first_step(setup, tmp_path):
     target, jsonl, _ = setup
     rd = tmp_path / "early"
-    proc = start_train(rd, tiny_overrides(target, jsonl), tmp_path / "early.log")
+    proc = start_train(rd, tiny_overrides(target, jsonl, **{"train.step_delay_seconds": 0.3}),
+                       tmp_path / "early.log")
     wait_for(lambda: (rd / "run.json").exists(), 60, what="run.json")
     assert signal_and_wait(proc, signal.SIGTERM) == 0, (tmp_path / "early.log").read_text()
     run = json.loads((rd / "run.json").read_text())
@@ -148,3 +150,26 @@ def test_second_trainer_on_live_run_dir_is_refused(setup, tmp_path):
         assert "in use by a live trainer" in res.stderr and "Traceback" not in res.stderr
     finally:
         signal_and_wait(proc, signal.SIGTERM)
+
+
+def test_sigkill_during_checkpoint_write_then_resume(setup, reference, tmp_path):
+    """A crash while a checkpoint is being written: `latest` still names a
+    complete checkpoint, and a resume reproduces the reference losses."""
+    target, jsonl, _ = setup
+    rd = tmp_path / "killed"
+    over = tiny_overrides(target, jsonl, **{"checkpoint.every_steps": 2, "checkpoint.test_delay_seconds": 20})
+    proc = start_train(rd, over, tmp_path / "killed.log")
+    # step 2's checkpoint commits after the delay; wait for step 4's write to be in flight
+    wait_for(lambda: (rd / "checkpoints" / "latest").exists(), 120, what="first checkpoint")
+    wait_for(lambda: any(p.name.startswith(".tmp-") for p in (rd / "checkpoints").iterdir()), 120,
+             what="second checkpoint write")
+    proc.kill()
+    proc.wait(30)
+    latest = (rd / "checkpoints" / "latest").resolve()
+    assert (latest / "manifest.json").is_file()
+    from dflash_train.checkpoint import verify_checkpoint
+
+    assert verify_checkpoint(latest) == []
+    res = run_train(rd, tiny_overrides(target, jsonl, **{"checkpoint.every_steps": 2}))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert losses(rd) == losses(reference)

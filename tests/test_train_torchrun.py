@@ -32,3 +32,38 @@ def test_one_target_two_trainers_gloo(tiny_target_factory, tmp_path):
     assert (rd / "checkpoints" / "latest").resolve().name == "step-00000012"
     log = (rd / "logs" / "train.rank0.log").read_text()
     assert "serving trainer ranks [1, 2]" in log and "all trainers done" in log
+
+
+def test_torchrun_sigterm_resume_is_bit_exact(tiny_target_factory, tmp_path):
+    """World size 3 (1 target + 2 trainers): SIGTERM to the leading trainer,
+    resume with the same world size -> the same losses as an uninterrupted run."""
+    import json
+    import os
+    import signal
+    import time
+
+    from conftest import write_tiny_jsonl
+
+    from trainrun import wait_for
+
+    jsonl = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    target = tiny_target_factory("qwen3")
+    over = tiny_overrides(target, jsonl, **{"train.max_steps": 10, "pipeline.target_ranks": 1,
+                                            "checkpoint.every_steps": 100})
+    ref = tmp_path / "ref"
+    assert _torchrun(ref, over).returncode == 0
+    rd = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "dflash_train.cli", "train", "--run-dir", str(rd), *over, "train.step_delay_seconds=0.5"]
+    log = open(tmp_path / "stopped.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    wait_for(lambda: len(losses(rd)) >= 4, 300, what="step 4")
+    pid = json.loads((rd / "run.json").read_text())["pid"]
+    os.kill(pid, signal.SIGTERM)  # what `dflash-train stop` does: the leading trainer's verified pid
+    assert proc.wait(300) == 0, (tmp_path / "stopped.log").read_text()[-4000:]
+    stopped = max(losses(rd))
+    assert stopped < 10
+    assert (rd / "checkpoints" / "latest").resolve().name == f"step-{stopped:08d}"
+    res = _torchrun(rd, over)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert losses(rd) == losses(ref)

@@ -117,6 +117,8 @@ class TrainConfig(_Section):
     max_consecutive_skips: int = Field(5, ge=1)
     # wall-clock budget; 0 = none. Stops like a signal: at a step boundary, with a checkpoint.
     max_seconds: float = Field(0, ge=0)
+    # debugging / tests: pause after every step, so a stop signal lands at a known step
+    step_delay_seconds: float = Field(0, ge=0)
 
 
 class PipelineConfig(_Section):

@@ -398,6 +398,8 @@ class Trainer:
                 stats.add("trainer", busy=time.perf_counter() - t_busy)
                 step_times.append(time.perf_counter() - t_step)
                 metrics.advance(self.state.step)
+                if cfg.train.step_delay_seconds:
+                    time.sleep(cfg.train.step_delay_seconds)
 
                 give_up = self.state.consecutive_skips >= cfg.train.max_consecutive_skips
                 if self.state.step % cfg.logging.every_steps == 0 or give_up:
