@@ -67,3 +67,39 @@ def test_torchrun_sigterm_resume_is_bit_exact(tiny_target_factory, tmp_path):
     res = _torchrun(rd, over)
     assert res.returncode == 0, res.stderr[-4000:]
     assert losses(rd) == losses(ref)
+
+
+def test_fsdp2_trainers_train_and_resume_exactly(tiny_target_factory, tmp_path):
+    """train.sharding=fsdp2: 2 sharded trainer ranks learn; stopped with SIGTERM
+    and resumed, the run logs the same losses as an uninterrupted one."""
+    import json
+    import os
+    import signal
+
+    from conftest import write_tiny_jsonl
+
+    from trainrun import wait_for
+
+    jsonl = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    target = tiny_target_factory("qwen3")
+    over = tiny_overrides(target, jsonl, **{"train.max_steps": 10, "pipeline.target_ranks": 1,
+                                            "train.sharding": "fsdp2", "train.lr": 1e-2,
+                                            "checkpoint.every_steps": 100})
+    ref = tmp_path / "ref"
+    res = _torchrun(ref, over)
+    assert res.returncode == 0, res.stderr[-4000:]
+    ls = losses(ref)
+    assert sorted(ls) == list(range(1, 11)) and all(math.isfinite(v) for v in ls.values())
+    assert sum(ls[s] for s in (8, 9, 10)) < sum(ls[s] for s in (1, 2, 3))
+    rd = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "dflash_train.cli", "train", "--run-dir", str(rd), *over, "train.step_delay_seconds=0.5"]
+    log = open(tmp_path / "stopped.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    wait_for(lambda: len(losses(rd)) >= 3, 300, what="step 3")
+    os.kill(json.loads((rd / "run.json").read_text())["pid"], signal.SIGTERM)
+    assert proc.wait(300) == 0, (tmp_path / "stopped.log").read_text()[-4000:]
+    assert max(losses(rd)) < 10
+    res = _torchrun(rd, over)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert losses(rd) == ls

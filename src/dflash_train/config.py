@@ -114,6 +114,8 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
     compile: bool = False
+    # trainer ranks under torchrun: replicated drafter (DDP) or sharded (FSDP2, for large drafters)
+    sharding: Literal["ddp", "fsdp2"] = "ddp"
     max_consecutive_skips: int = Field(5, ge=1)
     # wall-clock budget; 0 = none. Stops like a signal: at a step boundary, with a checkpoint.
     max_seconds: float = Field(0, ge=0)

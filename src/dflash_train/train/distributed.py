@@ -56,6 +56,7 @@ class DistContext:
         self.trainer_index = self.trainer_ranks.index(rank) if rank in self.trainer_ranks else -1
         self.is_leader = (not self.distributed) or rank == self.num_target_ranks
         self.trainer_group = None
+        self.fsdp = False  # set by wrap_model when the drafter is sharded
 
     @classmethod
     def from_env(cls, cfg) -> "DistContext":
@@ -123,6 +124,19 @@ class DistContext:
         if not self.distributed or self.num_trainers == 1:
             return drafter
         dev = next(drafter.parameters()).device
+        if self.cfg.train.sharding == "fsdp2":
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            # a mesh over the trainer ranks only (the target ranks never join its collectives).
+            # One FSDP unit for the whole drafter: its forward projects the context through
+            # every layer's k/v weights before running the layers, so per-layer units would
+            # be used outside their own forward. Parameters, gradients and optimizer state
+            # stay sharded between steps; the full weights exist only inside forward/backward.
+            mesh = DeviceMesh.from_group(self.trainer_group, dev.type)
+            fully_shard(drafter, mesh=mesh)
+            self.fsdp = True
+            return drafter
         return _DDP(drafter, device_ids=[dev.index] if dev.type == "cuda" else None,
                    process_group=self.trainer_group)
 

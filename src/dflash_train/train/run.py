@@ -152,6 +152,12 @@ class Trainer:
         if self.vocab_subset is not None:
             self.vocab_subset = self.vocab_subset.to(self.device)
         self.rows = rows
+        # wrap before the optimizer exists: FSDP2 replaces the parameters with sharded ones
+        self.model = self.ctx.wrap_model(self.drafter)
+        if self.ctx.fsdp and cfg.eval.every_steps:
+            # the leader alone would run the sharded drafter's forward: its collectives would hang
+            raise TrainError("eval.every_steps with train.sharding=fsdp2 is not supported yet: set eval.every_steps=0 "
+                             "and run `dflash-train eval` on the checkpoints")
         decay, no_decay = [], []
         for name, p in self.drafter.named_parameters():
             (no_decay if p.ndim < 2 else decay).append(p)
@@ -164,7 +170,6 @@ class Trainer:
         self.scheduler = make_scheduler(self.optimizer, cfg.train.max_steps, cfg.train.warmup_fraction,
                                         cfg.train.min_lr_ratio)
         self.anchor_gen = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1_000_003 * self.ctx.trainer_index)
-        self.model = self.ctx.wrap_model(self.drafter)
         if cfg.train.compile:
             self.model = torch.compile(self.model)
 
@@ -200,10 +205,20 @@ class Trainer:
         train_state = self.state.__dict__.copy()
         train_state["order_state"] = self.ctx.combine_order_states(self.state.order_state)
         rng_per_trainer = self.ctx.gather_objects(capture_rng_state(self._rng_generators()))
-        tensors = {k: v for k, v in self.drafter.state_dict().items()}
+        if self.ctx.fsdp:  # gather full tensors (a collective over the trainer ranks)
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                                 get_optimizer_state_dict)
+
+            full = StateDictOptions(full_state_dict=True)
+            tensors = get_model_state_dict(self.drafter, options=full)
+            optim_state = get_optimizer_state_dict(self.drafter, self.optimizer, options=full)
+        else:
+            tensors = dict(self.drafter.state_dict())
+            optim_state = self.optimizer.state_dict()
         objects = {
             "format": STATE_FORMAT,
-            "optimizer": self.optimizer.state_dict(),
+            "sharding": "fsdp2" if self.ctx.fsdp else "replicated",
+            "optimizer": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "train_state": train_state,
             "rng": rng_per_trainer,
@@ -223,10 +238,24 @@ class Trainer:
         from dflash_train.checkpoint import load_checkpoint, restore_rng_state
 
         tensors, objects, manifest = load_checkpoint(path)
-        missing, unexpected = self.drafter.load_state_dict(tensors, strict=False)
-        if missing or unexpected:
+        names = {k for k, _ in self.drafter.named_parameters()}
+        if set(tensors) != names:
+            missing, unexpected = sorted(names - set(tensors)), sorted(set(tensors) - names)
             raise TrainError(f"checkpoint {path} does not fit this drafter: missing {missing}, unexpected {unexpected}")
-        self.optimizer.load_state_dict(objects["optimizer"])
+        saved_sharding = objects.get("sharding", "replicated")
+        if saved_sharding != ("fsdp2" if self.ctx.fsdp else "replicated"):
+            raise TrainError(f"checkpoint {path} was written with sharding '{saved_sharding}'; resume it with the "
+                             f"same train.sharding")
+        if self.ctx.fsdp:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.drafter, tensors, options=full)
+            set_optimizer_state_dict(self.drafter, self.optimizer, objects["optimizer"], options=full)
+        else:
+            self.drafter.load_state_dict(tensors, strict=True)
+            self.optimizer.load_state_dict(objects["optimizer"])
         self.scheduler.load_state_dict(objects["scheduler"])
         self.state = TrainState(**objects["train_state"])
         rng = objects["rng"]
@@ -372,6 +401,8 @@ class Trainer:
                     stats.add("trainer", busy=time.perf_counter() - t_busy)
                 t_busy = time.perf_counter()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip)
+                if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+                    grad_norm = grad_norm.full_tensor()
                 # one host sync per step: the skip decision must agree on every rank
                 finite = bool(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
                 finite = self.ctx.agree_all(finite)
