@@ -51,6 +51,18 @@ def write_tiny_jsonl(path: Path, n: int = 24, seed: int = 0) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """One intra-op thread per test process: on a shared 2-core box tiny models
+    run several times faster than with two (make test also sets OMP_NUM_THREADS=1)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_target_factory(tmp_path_factory):
     """factory(family="qwen3"|"llama"|"gemma3", **kw) -> Path of a tiny random

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from dflash_train.checkpoint.manager import CheckpointManager
 from dflash_train.cli import UserError
@@ -17,12 +16,6 @@ from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.target import load_target
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

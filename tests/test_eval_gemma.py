@@ -14,13 +14,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["What is the capital of France?", "Write one sentence about the sea."]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """On a shared 2-core box one intra-op thread is several times faster than two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,6 @@ from dflash_train.eval.testing import OracleDrafter, bias_target_towards, simula
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.target import load_target
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is ~10x faster than two on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 PROMPTS = ["Hello! How can I help", "The quick brown fox", "Write a short poem about the sea."]

@@ -14,12 +14,16 @@ import torch
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes renames in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_path
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

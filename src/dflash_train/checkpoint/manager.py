@@ -84,7 +84,7 @@ from dflash_train.checkpoint.store import (
     step_dir_name,
     verify_checkpoint,
 )
-from dflash_train.utils import fsync_dir
+from dflash_train.utils import fsync_dir, fsync_path
 
 Log = Callable[[str], None]
 
@@ -150,14 +150,6 @@ def _snapshot_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             raise TypeError(f"checkpoint tensor {k!r} is a {type(t).__name__}, not a torch.Tensor")
         out[k] = t.detach().to("cpu", copy=True).contiguous()
     return out
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _now_iso() -> str:
@@ -343,7 +335,7 @@ class CheckpointManager:
         self._check()
         model_path = tmp / MODEL_FILE
         save_file(tensors, str(model_path), metadata={"format": "pt", "step": str(step)})
-        _fsync_file(model_path)
+        fsync_path(model_path)
         self._check()
         state_path = tmp / STATE_FILE
         with open(state_path, "wb") as f:
