@@ -135,3 +135,19 @@ def test_non_finite_steps_are_skipped_then_stop(tiny, monkeypatch, tmp_path):
     tensors, objects, manifest = load_checkpoint(rd / "checkpoints" / "latest")
     assert all(torch.isfinite(t).all() for t in tensors.values())
     assert manifest["step"] == 6
+
+
+def test_compiled_drafter_layers_match_eager(tiny):
+    """train.compile=true compiles each drafter layer (inductor on CPU); the
+    losses equal the eager run's to float tolerance."""
+    target_dir, jsonl, root = tiny
+    runs = {}
+    for compiled in (False, True):
+        rd = root / f"compile-{compiled}"
+        res = run_train(rd, tiny_overrides(target_dir, jsonl, **{"train.compile": compiled, "train.max_steps": 3,
+                                                                 "checkpoint.every_steps": 100}), timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[compiled] = losses(rd)
+    assert sorted(runs[True]) == [1, 2, 3]
+    for step, value in runs[False].items():
+        assert math.isclose(runs[True][step], value, rel_tol=1e-4), (step, runs[True][step], value)

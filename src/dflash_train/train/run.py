@@ -171,7 +171,10 @@ class Trainer:
                                         cfg.train.min_lr_ratio)
         self.anchor_gen = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1_000_003 * self.ctx.trainer_index)
         if cfg.train.compile:
-            self.model = torch.compile(self.model)
+            # per decoder layer, in place (as torchtitan does): the mask and anchor code
+            # around the layers is data-dependent and stays eager; parameter names are unchanged
+            for layer in self.drafter.layers:
+                layer.compile()
 
     def _open_precomputed(self, path: str):
         from types import SimpleNamespace
