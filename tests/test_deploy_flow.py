@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -105,6 +106,19 @@ class Job:
 
         if self.live():
             stop_run(self.run_dir, timeout=60, force=True, log=lambda m: None)
+        # a trainer a deploy started is not our child: never leave one running after a test
+        pid = self.record().get("pid")
+        if isinstance(pid, int) and pid != self.proc.pid and psutil.pid_exists(pid):
+            try:
+                p = psutil.Process(pid)
+                if "dflash_train" in " ".join(p.cmdline()):
+                    p.terminate()
+                    try:
+                        p.wait(60)
+                    except psutil.TimeoutExpired:
+                        p.kill()
+            except psutil.Error:
+                pass
         if self.proc.poll() is None:
             try:
                 self.proc.wait(30)
@@ -306,7 +320,8 @@ class TestDeployAndRollback:
         assert "DEPLOY_TEST_MARK" in (rd / "releases" / rel / "src" / "dflash_train" / "__init__.py").read_text()
         # the new process: verified live, running the new release, resumed at the stop step
         new_pid = rep["pid"]
-        assert new_pid != old_pid and job.live() and job.record()["pid"] == new_pid
+        assert new_pid != old_pid
+        wait_for(lambda: job.live() and job.record().get("pid") == new_pid, 60, what="the new trainer's run.json")
         assert proc_pythonpath(new_pid).split(":")[0] == str(rd / "releases" / rel / "src")
         log = (rd / "logs" / f"deploy-{rel}.log").read_text()
         assert f"at step {stop_step}" in log and f"step-{stop_step:08d}" in log
