@@ -42,9 +42,25 @@ def test_evaluate_tau_keys_and_match(setup):
     assert sum(res["histogram"].values()) == res["steps"]
     assert res["tau"] == pytest.approx(sum(int(k) * v for k, v in res["histogram"].items()) / res["steps"])
     assert res["tokens_per_s_spec"] > 0 and res["tokens_per_s_plain"] > 0
-    # sampling runs too (no exactness check), and skipping the plain baseline works
+    # the prompt-lookup baseline on the same prompts, k = block_size - 1 draft tokens
+    assert res["ngram_k"] == 3 and res["outputs_match_ngram"] is True and res["mismatched_prompts_ngram"] == []
+    assert set(res["histogram_ngram"]) == {"1", "2", "3", "4"}
+    assert sum(res["histogram_ngram"].values()) == res["steps_ngram"]
+    assert res["tau_ngram"] == pytest.approx(
+        sum(int(k) * v for k, v in res["histogram_ngram"].items()) / res["steps_ngram"])
+    assert res["new_tokens_ngram"] == res["new_tokens"]  # greedy: the same outputs
+    assert res["tokens_per_s_ngram"] > 0
+    assert res["speedup_ngram"] == pytest.approx(res["tokens_per_s_ngram"] / res["tokens_per_s_plain"])
+    # sampling runs too (no exactness check), and skipping the plain baseline works;
+    # prompt lookup is greedy only: not measured at temperature > 0
     res = evaluate_tau(dr, t, ["Hello!"], 6, 0.8, 0, measure_plain=False)
     assert res["outputs_match"] is None and res["tokens_per_s_plain"] is None and res["tau"] >= 1
+    assert res["tau_ngram"] is None and res["tokens_per_s_ngram"] is None and res["speedup_ngram"] is None
+    # in-training shape: no plain decoding; prompt lookup measured (no speedup) or skipped
+    res = evaluate_tau(dr, t, ["Hello!"], 6, 0.0, 0, measure_plain=False)
+    assert res["tau_ngram"] >= 1 and res["speedup_ngram"] is None and res["outputs_match_ngram"] is None
+    res = evaluate_tau(dr, t, ["Hello!"], 6, 0.0, 0, measure_plain=False, measure_ngram=False)
+    assert res["tau_ngram"] is None and res["histogram_ngram"] is None and res["tau"] >= 1
 
 
 def test_prompts_formatted_as_one_user_turn(setup):
@@ -61,13 +77,18 @@ def test_eval_command_json_export_dir(setup, capsys):
     out = capsys.readouterr().out.strip()
     obj = json.loads(out)  # exactly one JSON object on stdout
     assert out.count("\n") == 0
-    for k in ("tau", "histogram", "tokens_per_s_spec", "tokens_per_s_plain", "speedup"):
+    for k in ("tau", "histogram", "tokens_per_s_spec", "tokens_per_s_plain", "speedup", "tau_ngram",
+              "histogram_ngram", "tokens_per_s_ngram", "speedup_ngram", "outputs_match_ngram"):
         assert k in obj
-    assert obj["num_prompts"] == 2 and obj["outputs_match"] is True
-    assert obj["tau"] == pytest.approx(res["tau"])
-    # --untrained: same shape, fresh init; table output
+    assert obj["num_prompts"] == 2 and obj["outputs_match"] is True and obj["outputs_match_ngram"] is True
+    assert obj["tau"] == pytest.approx(res["tau"]) and obj["tau_ngram"] == pytest.approx(res["tau_ngram"])
+    assert obj["tau_ngram"] >= 1 and obj["tokens_per_s_ngram"] > 0 and obj["tokens_per_s_plain"] > 0
+    assert obj["tokens_per_s_spec"] > 0
+    # --untrained: same shape, fresh init; table output with all three methods
     eval_command(exp, str(tdir), str(prompts), 1, 6, 0.0, 1, True, False)
-    assert "tau" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tau" in out and "DFlash drafter (untrained)" in out and "prompt lookup" in out
+    assert "plain decoding" in out and "speedup" in out
 
 
 def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
@@ -147,3 +168,51 @@ def test_cli_eval_errors_one_line(setup, tmp_path):
     assert r.exit_code == 2 and "bad.jsonl:1" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(app, ["eval", "--drafter", str(exp), "--prompts", "heldout"])
     assert r.exit_code == 2 and "heldout" in r.output and "Traceback" not in r.output
+
+
+def test_demo_summary_and_report_compare_all_methods(setup, tmp_path):
+    """The demo's summary.json content, terminal table and report.md: trained drafter,
+    untrained drafter, prompt lookup and plain decoding side by side."""
+    import io
+
+    from rich.console import Console
+
+    from dflash_train.demo import demo_summary, print_comparison
+    from dflash_train.model import DFlashDrafter
+    from dflash_train.report import write_report
+
+    t, dr, *_ = setup
+    prompts = ["Hello! How can I help", "one two one two one two"]
+    res_t = evaluate_tau(dr, t, prompts, 8, 0.0, 0)
+    untrained = DFlashDrafter(dr.cfg, seed=11).eval()
+    res_u = evaluate_tau(untrained, t, prompts, 8, 0.0, 0, measure_plain=False, measure_ngram=False)
+    summary = demo_summary(res_t, res_u, eval_prompts=2, eval_max_new_tokens=8, train_seconds=1.0,
+                           export_dir=str(tmp_path / "export"))
+    assert summary["tau_ngram"] == res_t["tau_ngram"] >= 1
+    assert summary["tokens_per_s_ngram"] == res_t["tokens_per_s_ngram"] > 0
+    assert summary["speedup_ngram"] == pytest.approx(res_t["tokens_per_s_ngram"] / res_t["tokens_per_s_plain"])
+    assert summary["tokens_per_s_plain"] == res_t["tokens_per_s_plain"]
+    assert summary["speedup_untrained"] == pytest.approx(res_u["tokens_per_s_spec"] / res_t["tokens_per_s_plain"])
+    assert summary["eval_untrained"]["tokens_per_s_plain"] == res_t["tokens_per_s_plain"]
+    json.dumps(summary)  # summary.json-able
+
+    buf = io.StringIO()
+    print_comparison(summary, Console(file=buf, width=200))
+    text = buf.getvalue()
+    for name in ("trained DFlash drafter", "untrained DFlash drafter", "prompt lookup", "plain decoding"):
+        assert name in text
+    assert f"{res_t['tau_ngram']:.3f}" in text and "speedup" in text and "no training" in text
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 2, "tau": 1.1, "tau_ngram": 1.2, "eval": True}) + "\n")
+    report = write_report(run, summary).read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| ") and "method" not in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| trained DFlash drafter",
+                                                 "| untrained DFlash drafter (same shape, random weights)",
+                                                 "| prompt lookup (n-gram drafting, no training)",
+                                                 "| plain decoding (the target alone)"]
+    assert f"| {res_t['tau_ngram']:.3f} | {res_t['tokens_per_s_ngram']:.2f} | {res_t['speedup_ngram']:.2f}x |" in report
+    assert "| 1.000 |" in rows[3] and rows[3].endswith("| 1.00x |")
+    assert "tau = tokens produced per forward pass" in report and "above 1 means faster" in report
+    assert (run / "plots" / "tau.png").is_file()

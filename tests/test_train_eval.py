@@ -1,6 +1,7 @@
 """In-training evaluation: tau by real speculative decoding every eval.every_steps,
-logged in metrics.jsonl; the best checkpoint is marked; eval work is not counted
-as trained tokens; a stop signal during an eval pass still stops cleanly."""
+logged in metrics.jsonl beside the prompt-lookup baseline's tau; the best
+checkpoint is marked; eval work is not counted as trained tokens; a stop signal
+during an eval pass still stops cleanly."""
 from __future__ import annotations
 
 import json
@@ -27,6 +28,8 @@ def test_eval_logs_tau_marks_best_and_excludes_eval_tokens(tiny_target_factory, 
     evals = [r for r in metrics(with_eval) if r.get("eval")]
     assert [r["step"] for r in evals] == [3, 6]
     assert all(r["tau"] >= 1.0 for r in evals)
+    # the prompt-lookup baseline beside tau: measured once (it does not change with training)
+    assert evals[0]["tau_ngram"] >= 1.0 and all(r["tau_ngram"] == evals[0]["tau_ngram"] for r in evals)
     best = (with_eval / "checkpoints" / "best").resolve()
     best_step = max(evals, key=lambda r: (r["tau"], -r["step"]))["step"]
     assert best.name == f"step-{best_step:08d}" and (best / "manifest.json").is_file()

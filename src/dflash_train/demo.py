@@ -7,7 +7,8 @@
               own distribution and tau is measured on the target's own output
   3. train    the online pipeline for the config's budget
   4. eval     tau by real speculative decoding on the held-out prompts, for the
-              trained drafter and for an untrained one of the same shape
+              trained drafter, an untrained one of the same shape and the free
+              prompt-lookup (n-gram) baseline, with tokens/s against plain decoding
   5. export   config.json + model.safetensors + model card
   6. report   RUN_DIR/report.md with plots, RUN_DIR/summary.json
 
@@ -33,7 +34,7 @@ def _phase(n: int, what: str) -> float:
     return time.perf_counter()
 
 
-def _eval(drafter, target, prompts, cfg, measure_plain: bool, label: str) -> dict:
+def _eval(drafter, target, prompts, cfg, measure_plain: bool, label: str, measure_ngram: bool = False) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflash_train.eval.command import evaluate_tau
@@ -42,8 +43,53 @@ def _eval(drafter, target, prompts, cfg, measure_plain: bool, label: str) -> dic
                   console=console) as bar:
         task = bar.add_task(label, total=len(prompts))
         return evaluate_tau(drafter, target, prompts, cfg.eval.max_new_tokens, temperature=0.0,
-                            seed=cfg.train.seed, measure_plain=measure_plain,
+                            seed=cfg.train.seed, measure_plain=measure_plain, measure_ngram=measure_ngram,
                             progress=lambda d, t: bar.update(task, completed=d, total=t))
+
+
+def demo_summary(res_trained: dict, res_untrained: dict, **extra) -> dict:
+    """summary.json's content: both drafters' evaluations (the untrained one gets the
+    trained one's plain-decoding figure, measured once), the prompt-lookup baseline
+    (measured once, beside the trained drafter) and `extra` (paths, timings)."""
+    plain = res_trained.get("tokens_per_s_plain")
+    res_untrained["tokens_per_s_plain"] = plain
+    spec = res_untrained.get("tokens_per_s_spec")
+    res_untrained["speedup"] = spec / plain if (plain and spec is not None) else None
+    summary = {
+        "tau_trained": res_trained["tau"],
+        "tau_untrained": res_untrained["tau"],
+        "tau_ngram": res_trained.get("tau_ngram"),
+        "tokens_per_s_trained": res_trained.get("tokens_per_s_spec"),
+        "tokens_per_s_untrained": spec,
+        "tokens_per_s_ngram": res_trained.get("tokens_per_s_ngram"),
+        "tokens_per_s_plain": plain,
+        "speedup_trained": res_trained.get("speedup"),
+        "speedup_untrained": res_untrained["speedup"],
+        "speedup_ngram": res_trained.get("speedup_ngram"),
+    }
+    summary.update(extra)
+    summary["eval_trained"] = res_trained
+    summary["eval_untrained"] = res_untrained
+    return summary
+
+
+def print_comparison(summary: dict, out: Console | None = None) -> None:
+    """The side-by-side table (trained, untrained, prompt lookup, plain) with plain-words notes."""
+    from rich.table import Table
+
+    from dflash_train.report import EXPLANATION, comparison_rows, fmt_num
+
+    out = out or console
+    t = Table(title="speculative decoding on the held-out prompts (greedy)", show_header=True)
+    t.add_column("method")
+    t.add_column("tau", justify="right")
+    t.add_column("tokens/s", justify="right")
+    t.add_column("speedup vs plain", justify="right")
+    for name, tau, tps, speedup in comparison_rows(summary):
+        t.add_row(name, fmt_num(tau, ".3f"), fmt_num(tps, ".2f"), fmt_num(speedup, ".2f", "x"))
+    out.print(t)
+    for line in EXPLANATION:
+        out.print(f"  {line}", markup=False)
 
 
 def run_demo(cfg: RunConfig, run_dir: Path) -> int:
@@ -91,29 +137,22 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     trained = DFlashDrafter(src.config, seed=cfg.train.seed)
     trained.load_state_dict(src.state_dict)
     untrained = DFlashDrafter(DrafterConfig.from_dict(src.config.to_dict()), seed=cfg.train.seed)
-    res_trained = _eval(trained.eval(), target, prompts, cfg, True, "trained")
+    res_trained = _eval(trained.eval(), target, prompts, cfg, True, "trained", measure_ngram=True)
     res_untrained = _eval(untrained.eval(), target, prompts, cfg, False, "untrained")
-    plain = res_trained["tokens_per_s_plain"]
-    res_untrained["tokens_per_s_plain"] = plain
-    res_untrained["speedup"] = res_untrained["tokens_per_s_spec"] / plain if plain else None
-    console.print(f"tau trained {res_trained['tau']:.3f} vs untrained {res_untrained['tau']:.3f} "
-                  f"(greedy outputs identical to plain decoding: {res_trained.get('outputs_match')}) "
+    console.print(f"tau trained {res_trained['tau']:.3f} vs untrained {res_untrained['tau']:.3f} vs prompt lookup "
+                  f"{res_trained['tau_ngram']:.3f} (greedy outputs identical to plain decoding: "
+                  f"{res_trained.get('outputs_match')}, prompt lookup {res_trained.get('outputs_match_ngram')}) "
                   f"in {time.perf_counter() - t0:.0f}s")
 
     _phase(5, "export")
     export_dir = run_dir / "export"
-    summary = {
-        "tau_trained": res_trained["tau"],
-        "tau_untrained": res_untrained["tau"],
-        "export_dir": str(export_dir),
-        "report": str(run_dir / "report.md"),
-        "train_seconds": train_seconds,
-        "checkpoint": str(src.path),
-        "eval_trained": res_trained,
-        "eval_untrained": res_untrained,
-        "eval_prompts": len(prompts),
-        "eval_max_new_tokens": cfg.eval.max_new_tokens,
-    }
+    summary = demo_summary(res_trained, res_untrained,
+                           export_dir=str(export_dir),
+                           report=str(run_dir / "report.md"),
+                           train_seconds=train_seconds,
+                           checkpoint=str(src.path),
+                           eval_prompts=len(prompts),
+                           eval_max_new_tokens=cfg.eval.max_new_tokens)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     export_checkpoint(run_dir, export_dir, force=True)
     console.print(f"exported to {export_dir}")
@@ -123,8 +162,7 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     report = write_report(run_dir, summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     console.rule("[bold green]done")
-    console.print(f"tau (mean tokens per target verify step, greedy): trained {res_trained['tau']:.3f}, "
-                  f"untrained {res_untrained['tau']:.3f}")
+    print_comparison(summary)
     console.print(f"export:  {export_dir}")
     console.print(f"report:  {report}")
     console.print(f"numbers: {run_dir / 'summary.json'}")

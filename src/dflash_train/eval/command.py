@@ -8,6 +8,11 @@ and generated until the format's stop tokens or max_new_tokens.
 
 tau = total tokens produced / total verify steps over all prompts (the pooled
 mean of the per-step acceptance lengths, each = accepted drafts + 1 bonus).
+
+Every evaluation also runs the free baseline, prompt lookup (n-gram drafting,
+`dflash_train.eval.ngram`), on the same prompts with the same number of draft
+tokens (block_size - 1), and plain decoding of the target: the drafter is
+worth its training only where it beats both.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dflash_train.eval.ngram import ngram_generate
 from dflash_train.eval.specdec import acceptance_histogram, plain_generate, speculative_generate, tau_of
 
 
@@ -132,6 +138,7 @@ def evaluate_tau(
     prompt_ids: Sequence[Sequence[int]] | None = None,
     stop_token_ids: Sequence[int] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    measure_ngram: bool = True,
 ) -> dict[str, Any]:
     """Real speculative decoding over `prompts` (user messages, formatted here).
 
@@ -141,6 +148,11 @@ def evaluate_tau(
     checked), plus tau_per_prompt, steps, new_tokens, block_size, temperature,
     max_new_tokens. Pass `prompt_ids` (+ `stop_token_ids`) to skip formatting.
     measure_plain=False skips the plain baseline (in-training eval).
+
+    The prompt-lookup baseline (k = block_size - 1 draft tokens) adds tau_ngram,
+    histogram_ngram, tokens_per_s_ngram, speedup_ngram (vs plain), outputs_match_ngram,
+    mismatched_prompts_ngram, steps_ngram, new_tokens_ngram, ngram_k. It is greedy
+    only: with temperature > 0, or measure_ngram=False, those are None.
     """
     if prompt_ids is None:
         prompt_ids, stops = encode_prompts(target, prompts)
@@ -155,10 +167,15 @@ def evaluate_tau(
     device = target.device
     all_acc: list[int] = []
     per_prompt: list[float] = []
-    t_spec = t_plain = 0.0
-    n_spec = n_plain = 0
+    t_spec = t_plain = t_ngram = 0.0
+    n_spec = n_plain = n_ngram = 0
     match: bool | None = True if (measure_plain and temperature <= 0) else None
     mismatches: list[int] = []
+    do_ngram = bool(measure_ngram) and temperature <= 0 and bs >= 2
+    ngram_k = bs - 1
+    ngram_acc: list[int] = []
+    match_ngram: bool | None = True if (do_ngram and measure_plain) else None
+    mismatches_ngram: list[int] = []
     for i, ids in enumerate(prompt_ids):
         x = torch.tensor([list(ids)], dtype=torch.long, device=device)
         gen = None
@@ -172,6 +189,14 @@ def evaluate_tau(
         n_spec += out.shape[1] - x.shape[1]
         all_acc.extend(acc)
         per_prompt.append(tau_of(acc))
+        if do_ngram:
+            _sync(device)
+            t0 = time.perf_counter()
+            out_ng, acc_ng = ngram_generate(target, x, max_new_tokens, stops, ngram_k)
+            _sync(device)
+            t_ngram += time.perf_counter() - t0
+            n_ngram += out_ng.shape[1] - x.shape[1]
+            ngram_acc.extend(acc_ng)
         if measure_plain:
             gen = torch.Generator(device=device).manual_seed(int(seed) + i) if temperature > 0 else None
             _sync(device)
@@ -183,11 +208,16 @@ def evaluate_tau(
             if temperature <= 0 and not torch.equal(plain, out):
                 match = False
                 mismatches.append(i)
+            if do_ngram and not torch.equal(plain, out_ng):
+                match_ngram = False
+                mismatches_ngram.append(i)
         if progress is not None:
             progress(i + 1, len(prompt_ids))
     tps_spec = n_spec / t_spec if t_spec > 0 else float("nan")
     tps_plain = n_plain / t_plain if measure_plain and t_plain > 0 else None
+    tps_ngram = (n_ngram / t_ngram if t_ngram > 0 else float("nan")) if do_ngram else None
     hist = acceptance_histogram(all_acc, bs)
+    hist_ngram = acceptance_histogram(ngram_acc, bs) if do_ngram else None
     return {
         "tau": tau_of(all_acc),
         "histogram": {str(k): v for k, v in sorted(hist.items())},
@@ -203,6 +233,15 @@ def evaluate_tau(
         "block_size": bs,
         "temperature": float(temperature),
         "max_new_tokens": int(max_new_tokens),
+        "tau_ngram": tau_of(ngram_acc) if do_ngram else None,
+        "histogram_ngram": {str(k): v for k, v in sorted(hist_ngram.items())} if hist_ngram is not None else None,
+        "tokens_per_s_ngram": tps_ngram,
+        "speedup_ngram": (tps_ngram / tps_plain) if (tps_ngram is not None and tps_plain) else None,
+        "outputs_match_ngram": match_ngram,
+        "mismatched_prompts_ngram": mismatches_ngram,
+        "steps_ngram": len(ngram_acc) if do_ngram else None,
+        "new_tokens_ngram": n_ngram if do_ngram else None,
+        "ngram_k": ngram_k if do_ngram else None,
     }
 
 
@@ -256,29 +295,56 @@ def _num(v: Any, spec: str) -> str:
     return format(v, spec)
 
 
-def _print_table(res: dict[str, Any], title: str) -> None:
+def _match_text(match: bool | None, mismatched: Sequence[int] | None) -> str:
+    if match is None:
+        return "not checked"
+    return "yes" if match else f"NO (prompts {list(mismatched or [])})"
+
+
+def _print_table(res: dict[str, Any], title: str, drafter_label: str = "DFlash drafter") -> None:
     from rich.console import Console
     from rich.table import Table
 
     con = Console()
     t = Table(title=title, show_header=True)
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    t.add_row("tau (mean tokens per verify step)", _num(res["tau"], ".3f"))
-    t.add_row("prompts / verify steps / new tokens", f"{res['num_prompts']} / {res['steps']} / {res['new_tokens']}")
-    t.add_row("tokens/s speculative", _num(res["tokens_per_s_spec"], ".2f"))
-    t.add_row("tokens/s plain", _num(res["tokens_per_s_plain"], ".2f"))
-    t.add_row("speedup", _num(res["speedup"], ".2f"))
-    if res["outputs_match"] is not None:
-        t.add_row("greedy output == plain", "yes" if res["outputs_match"] else f"NO (prompts {res['mismatched_prompts']})")
+    t.add_column("method")
+    t.add_column("tau", justify="right")
+    t.add_column("tokens/s", justify="right")
+    t.add_column("speedup", justify="right")
+    t.add_column("same as plain", justify="right")
+    t.add_row(drafter_label, _num(res["tau"], ".3f"), _num(res["tokens_per_s_spec"], ".2f"),
+              _num(res["speedup"], ".2f"), _match_text(res["outputs_match"], res["mismatched_prompts"]))
+    ngram = res.get("tau_ngram") is not None
+    if ngram:
+        t.add_row(f"prompt lookup (k={res['ngram_k']})", _num(res["tau_ngram"], ".3f"),
+                  _num(res["tokens_per_s_ngram"], ".2f"), _num(res["speedup_ngram"], ".2f"),
+                  _match_text(res["outputs_match_ngram"], res["mismatched_prompts_ngram"]))
+    if res["tokens_per_s_plain"] is not None:
+        t.add_row("plain decoding", "1.000", _num(res["tokens_per_s_plain"], ".2f"), "1.00", "-")
     con.print(t)
+    if not ngram and res.get("temperature", 0) > 0:
+        con.print("prompt lookup (n-gram) baseline: greedy only, not measured at temperature > 0")
+    steps = f"{res['steps']}" + (f" (prompt lookup {res['steps_ngram']})" if ngram else "")
+    con.print(f"prompts {res['num_prompts']}, verify steps {steps}, new tokens {res['new_tokens']}")
+    con.print("tau = tokens produced per target forward (plain decoding: 1).\n"
+              "prompt lookup = free n-gram drafting: copies what followed the last 1-3\n"
+              "  tokens earlier in the prompt or output; no model, no training.\n"
+              "speedup = tokens/s over plain decoding's; above 1 = faster than plain.")
     h = Table(title="tokens produced per verify step", show_header=True)
     h.add_column("k")
-    h.add_column("steps", justify="right")
+    h.add_column("drafter steps", justify="right")
     h.add_column("share", justify="right")
+    if ngram:
+        h.add_column("prompt lookup steps", justify="right")
+        h.add_column("share", justify="right")
     total = max(res["steps"], 1)
+    total_ng = max(res.get("steps_ngram") or 0, 1)
     for k, v in res["histogram"].items():
-        h.add_row(k, str(v), f"{100.0 * v / total:.1f}%")
+        row = [k, str(v), f"{100.0 * v / total:.1f}%"]
+        if ngram:
+            w = res["histogram_ngram"].get(k, 0)
+            row += [str(w), f"{100.0 * w / total_ng:.1f}%"]
+        h.add_row(*row)
     con.print(h)
 
 
@@ -351,5 +417,6 @@ def eval_command(
         print(json.dumps(_jsonable(res), allow_nan=False))
     else:
         kind = "untrained drafter (random init)" if untrained else f"{src.kind} {src.path}"
-        _print_table(res, f"DFlash eval: {kind} vs {target_path}, T={temperature}")
+        label = "DFlash drafter (untrained)" if untrained else "DFlash drafter (trained)"
+        _print_table(res, f"DFlash eval: {kind} vs {target_path}, T={temperature}", label)
     return res

@@ -119,8 +119,9 @@ class MetricsLogger:
     def summary_line(r: dict[str, Any]) -> str:
         parts = []
         for key, fmt in [("loss", "loss {:.4f}"), ("acc_1", "acc1 {:.3f}"), ("expected_tau", "E[tau] {:.2f}"),
-                         ("tau", "tau {:.2f}"), ("tokens_per_s", "{:.0f} tok/s"), ("lr", "lr {:.2e}"),
-                         ("queue_occupancy", "q {:.2f}")]:
+                         ("tau", "tau {:.2f}"),
+                         ("tau_ngram", "prompt-lookup tau {:.2f}"), ("tokens_per_s", "{:.0f} tok/s"),
+                         ("lr", "lr {:.2e}"), ("queue_occupancy", "q {:.2f}")]:
             if key in r and isinstance(r[key], (int, float)):
                 parts.append(fmt.format(r[key]))
         return " | ".join(parts)

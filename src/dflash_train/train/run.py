@@ -102,6 +102,9 @@ class Trainer:
         self.is_leader = ctx.is_leader
         self.state = TrainState()
         self._eval_prompts: list[str] | None = None
+        # prompt-lookup baseline tau on the eval prompts: does not change with training, measured once
+        self._tau_ngram: float | None = None
+        self._ngram_measured = False
 
     # ------------------------------------------------------------------ set-up
     def _setup_run_dir(self) -> None:
@@ -520,11 +523,20 @@ class Trainer:
         log.info("eval at step %d: %d held-out prompts", self.state.step, len(prompts))
         self.drafter.eval()
         res = evaluate_tau(self.drafter, self.target, prompts, self.cfg.eval.max_new_tokens,
-                           self.cfg.eval.temperature, seed=self.cfg.train.seed, measure_plain=False)
+                           self.cfg.eval.temperature, seed=self.cfg.train.seed, measure_plain=False,
+                           measure_ngram=not self._ngram_measured)
         self.drafter.train()
-        rec = {"step": self.state.step, "tau": res["tau"], "eval": True, "time": time.time()}
+        if not self._ngram_measured:
+            self._tau_ngram = res["tau_ngram"]  # None at temperature > 0 (prompt lookup is greedy only)
+            self._ngram_measured = True
+        rec = {"step": self.state.step, "tau": res["tau"], "tau_ngram": self._tau_ngram, "eval": True,
+               "time": time.time()}
         metrics.log(rec)
-        log.info("eval at step %d: tau %.3f", self.state.step, res["tau"])
+        if self._tau_ngram is not None:
+            log.info("eval at step %d: tau %.3f (prompt lookup baseline %.3f)", self.state.step, res["tau"],
+                     self._tau_ngram)
+        else:
+            log.info("eval at step %d: tau %.3f", self.state.step, res["tau"])
         improved = self.state.best_tau is None or res["tau"] > self.state.best_tau
         if improved:
             self.state.best_tau = res["tau"]
