@@ -133,6 +133,8 @@ def regenerate_conversations(cfg, out: Path, max_conversations: int | None = Non
             counts["prompt_too_long"] += 1
             continue
         items.append((Conversation(c.id, prompt_msgs), ids))
+    # batches of similar prompt lengths: left padding is wasted compute on every decode step
+    items.sort(key=lambda it: len(it[1]))
     t0 = time.perf_counter()
     with Progress(TextColumn("[bold]regenerating[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[tps]}"), console=console) as bar:

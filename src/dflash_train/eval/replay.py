@@ -1,0 +1,75 @@
+"""Replay: greedy acceptance lengths of a drafter on KNOWN target outputs, through the TRAINING path.
+
+Greedy speculative decoding is deterministic: the target's output for a prompt
+does not depend on the drafter, only the number of verify steps does. So given
+the target's greedy output, the acceptance lengths follow from the drafter's
+proposals at the anchors the decoding visits. Replay computes the features the
+way training does (`Target.capture` on the whole sequence, one document),
+drafts a block at EVERY candidate anchor in one training forward (anchors
+n..T-2), then walks the decoding: at anchor s, accepted = matching prefix of
+the draft against the output, produced = accepted + 1, next anchor s + produced.
+
+Uses:
+* a train/decode consistency check: replayed acceptance equals the acceptance
+  of real speculative decoding (`speculative_generate`) on the same prompts
+  whenever teacher-forced features equal incrementally decoded ones (exact up to
+  float noise; a test holds it to equality on tiny targets), so a gap between
+  training accuracy and real tau on the training answers is NOT a feature or
+  position mismatch if replay agrees with decoding;
+* a cheap tau estimate in recipe searches: one drafter forward per prompt, no
+  target verify forwards.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def walk_acceptance(output: Sequence[int], n_prompt: int, propose: Callable[[int], Sequence[int]]) -> list[int]:
+    """Acceptance lengths of greedy speculative decoding that produced `output` (prompt + new tokens).
+
+    propose(s) -> the draft tokens for anchor position s (the tokens proposed for
+    positions s+1, s+2, ...). The first new token (position n_prompt) comes from
+    the prefill, as in `speculative_generate`.
+    """
+    T = len(output)
+    s, lengths = int(n_prompt), []
+    while s < T - 1:
+        draft = propose(s)
+        a = 0
+        while a < len(draft) and s + 1 + a < T and int(draft[a]) == int(output[s + 1 + a]):
+            a += 1
+        produced = min(a + 1, T - 1 - s)
+        lengths.append(produced)
+        s += produced
+    return lengths
+
+
+@torch.no_grad()
+def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int) -> torch.Tensor:
+    """[T - 1 - n_prompt, bs - 1] greedy drafts at anchors n_prompt..T-2 from one training forward."""
+    cfg = drafter.cfg
+    bs = int(cfg.block_size)
+    device = target.device
+    seq = torch.tensor([list(output)], dtype=torch.long, device=device)
+    T = seq.shape[1]
+    doc = torch.zeros(1, T, dtype=torch.int32, device=device)
+    feats = target.capture(seq, doc, cfg.target_layer_ids)
+    anchors = torch.arange(int(n_prompt), T - 1, device=device)[None]
+    A = anchors.shape[1]
+    block = torch.full((1, A, bs), int(cfg.mask_token_id), dtype=torch.long, device=device)
+    block[0, :, 0] = seq[0, anchors[0]]
+    embeds = target.embed(block.view(1, A * bs))
+    hidden = drafter(embeds, anchors, torch.ones_like(anchors, dtype=torch.bool), doc,
+                     features=feats.to(embeds.dtype))
+    hidden = hidden.view(A, bs, -1)[:, 1:]
+    return torch.argmax(target.logits(hidden), dim=-1)
+
+
+def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int) -> list[int]:
+    """Acceptance lengths the drafter gets on the target's known greedy `output` (prompt + new tokens)."""
+    if len(output) - 1 <= n_prompt:
+        return []
+    drafts = replay_drafts(drafter, target, output, n_prompt).tolist()
+    return walk_acceptance(output, n_prompt, lambda s: drafts[s - n_prompt])
