@@ -214,16 +214,23 @@ def test_retention_keep_last_best_and_abandoned_timeline(tmp_path):
     assert read_link(d, "best") == d / "step-00000002"
     assert read_link(d, "latest") == d / "step-00000005"
     assert any("removed step-00000003" in line and "keep_last=2" in line for line in logs)
-    # a resume from step 4 followed by a save at 5 again, then 6: the old step-5 is replaced
+    # a resume from step 4 followed by a save at 5 again, then 6: the old step-5 is replaced (and set aside)
     _save(mgr, 5, note="second timeline")
     mgr.wait()
     assert json.loads((d / "step-00000005" / "manifest.json").read_text())["meta"]["note"] == "second timeline"
-    # resumed from an older checkpoint: higher steps are an abandoned timeline and go
+    aside1 = [p for p in tmp_path.iterdir() if p.name.startswith("ck.set-aside-")]
+    assert len(aside1) == 1 and _steps(aside1[0]) == [5]
+    assert "note" not in json.loads((aside1[0] / "step-00000005" / "manifest.json").read_text())["meta"]
+    # resumed from an older checkpoint: higher steps are an abandoned timeline: set aside, not deleted
     mgr2 = CheckpointManager(d, keep_last=1, log=logs.append, code_version="x")
     _save(mgr2, 3)
     mgr2.wait()
-    assert _steps(d) == [2, 3]  # 4, 5 removed; best kept; keep_last=1
+    assert _steps(d) == [2, 3]  # 4, 5 moved aside; best kept; keep_last=1
     assert find_resumable(d, lambda s: None) == d / "step-00000003"
+    aside2 = [p for p in tmp_path.iterdir() if p.name.startswith("ck.set-aside-") and p not in aside1]
+    assert len(aside2) == 1 and _steps(aside2[0]) == [4, 5]
+    assert all(verify_checkpoint(p) == [] for _, p in list_checkpoints(aside2[0]))
+    assert any("moved step-00000004 aside" in line and "abandoned timeline" in line for line in logs)
     with pytest.raises(CheckpointError):
         mgr2.mark_best(99)
 
@@ -242,6 +249,25 @@ def test_retention_never_deletes_only_valid(tmp_path):
     assert _steps(d) == [2]
     assert verify_checkpoint(d / "step-00000002") == []
     assert find_resumable(d, lambda s: None) == d / "step-00000002"
+    # the broken one is set aside, not deleted
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("ck.set-aside-")]
+    assert len(aside) == 1 and (aside[0] / "step-00000000" / "model.safetensors").read_bytes() == b"xx"
+
+
+def test_checkpoint_and_atomic_files_respect_umask(tmp_path):
+    from dflash_train.utils import atomic_write_json
+
+    old = os.umask(0o022)
+    try:
+        mgr = CheckpointManager(tmp_path / "ck", keep_last=1, async_save=False, log=lambda s: None, code_version="x")
+        _save(mgr, 1)
+        atomic_write_json(tmp_path / "a.json", {"x": 1})
+    finally:
+        os.umask(old)
+    ck = tmp_path / "ck" / "step-00000001"
+    for f in ("model.safetensors", "state.pt", "manifest.json"):
+        assert (ck / f).stat().st_mode & 0o777 == 0o644, f
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
 
 
 def test_abandon_discards_in_flight_save(tmp_path):

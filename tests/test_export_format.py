@@ -144,11 +144,19 @@ def test_refuse_overwrite_and_force(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(UserError, match="not empty.*--force"):
+    # a non-empty directory that is not a previous export is never replaced, --force or not
+    for force in (False, True):
+        with pytest.raises(UserError, match="not empty.*not a previous export.*--force or not"):
+            export_checkpoint(run, out, force=force)
+        assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    # a previous export: refused without --force, replaced with it
+    out = tmp_path / "exp"
+    export_checkpoint(run, out)
+    with pytest.raises(UserError, match="previous export.*--force"):
         export_checkpoint(run, out)
-    assert (out / "keep.txt").exists()
     export_checkpoint(run, out, force=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
     # an empty existing dir is fine
     (tmp_path / "empty").mkdir()
     export_checkpoint(run, tmp_path / "empty")

@@ -173,7 +173,8 @@ def eval_(
 def export(
     source: Path = typer.Argument(..., help="RUN_DIR or checkpoint dir"),
     out: Path = typer.Option(..., "--out"),
-    force: bool = typer.Option(False, "--force", help="overwrite a non-empty output dir"),
+    force: bool = typer.Option(False, "--force", help="replace a previous export at --out (never anything else: "
+                               "not a run dir, checkpoint or other non-empty dir)"),
 ):
     """Write config.json + model.safetensors for SGLang / vLLM / the dflash package."""
 

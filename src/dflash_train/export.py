@@ -438,39 +438,149 @@ def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str)
 # --------------------------------------------------------------------------- export
 
 
-def _check_out_dir(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise _err(f"output path exists and is not a directory: {out}")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise _err(f"output directory {out} is not empty; use --force to overwrite")
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, README_FILE)
+
+
+def is_previous_export(path: Path) -> bool:
+    """A directory `--force` may replace: only regular files, all of them named
+    config.json / model.safetensors / README.md, config.json and the weights
+    present, and config.json a DFlash drafter config (``dflash_config`` table or
+    ``DFlashDraftModel`` architecture). Anything else there (a checkpoint, a run,
+    a target model, a file of the user's) makes it not an export."""
+    path = Path(path)
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return False
+    names = {e.name for e in entries}
+    if not {CONFIG_FILE, WEIGHTS_FILE} <= names or not names <= set(EXPORT_FILES):
+        return False
+    if any(e.is_symlink() or not e.is_file() for e in entries):
+        return False
+    try:
+        d = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and ("dflash_config" in d or "DFlashDraftModel" in (d.get("architectures") or []))
+
+
+def _run_or_checkpoint_inside(path: Path, depth: int = 2, budget: int = 2000) -> str | None:
+    """'the run dir X' / 'the checkpoint X' within `path` (a bounded look, for the error message only)."""
+    from dflash_train.checkpoint.store import holds_checkpoints, is_checkpoint_dir
+    from dflash_train.control.run_record import is_run_dir
+
+    level = [path]
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            try:
+                kids = [c for c in d.iterdir() if c.is_dir() and not c.is_symlink()]
+            except OSError:
+                continue
+            for c in kids:
+                budget -= 1
+                if budget < 0:
+                    return None
+                if is_run_dir(c):
+                    return f"the run dir {c}"
+                if is_checkpoint_dir(c) or holds_checkpoints(c):
+                    return f"the checkpoint{'' if is_checkpoint_dir(c) else 's'} {c}"
+                nxt.append(c)
+        level = nxt
+    return None
+
+
+def check_out_dir(out: Path, force: bool) -> Path:
+    """Where `export --out` may write; raises the one-line UserError otherwise. Returns `out` resolved.
+
+    The rule (README "What export and train never delete"):
+    * `out` may not be a run dir (control.run_record.is_run_dir), a checkpoint,
+      a directory checkpoints live in (RUN/checkpoints, a set-aside
+      RUN/checkpoints.*), or lie inside a checkpoint or such a directory;
+      `--force` does not change this.
+    * Inside a run dir but outside its checkpoints is fine: RUN/export (what
+      the demo writes) or any other new or empty directory there.
+    * An existing non-empty `out` is replaced only with `--force` and only if
+      it is a previous export (`is_previous_export`); a directory holding
+      anything else (which covers one containing a run dir or checkpoint) is
+      refused, `--force` or not.
+    """
+    from dflash_train.checkpoint.store import holds_checkpoints, is_checkpoint_dir
+    from dflash_train.control.run_record import is_run_dir
+
+    given = Path(out)
+    real = given.resolve()
+    if real.exists() and not real.is_dir():
+        raise _err(f"--out {given}: exists and is not a directory; export writes a directory")
+    for a in (real, *real.parents):
+        if is_checkpoint_dir(a):
+            where = "is" if a == real else f"lies inside the checkpoint {a}, it is"
+            raise _err(f"--out {given}: {where} a checkpoint; export never writes into or over one, "
+                       f"--force or not (choose a new directory, e.g. RUN_DIR/export)")
+        if holds_checkpoints(a):
+            what = "is" if a == real else f"lies inside {a}, which is"
+            raise _err(f"--out {given}: {what} a directory of checkpoints; export never writes there, "
+                       f"--force or not (choose a new directory, e.g. RUN_DIR/export)")
+    if not real.is_dir():
+        return real
+    if is_run_dir(real):
+        raise _err(f"--out {given}: is a run dir (it holds run.json, config.yaml or checkpoints/); export never "
+                   f"replaces one, --force or not (choose a new directory, e.g. {given}/export)")
+    try:
+        empty = not any(real.iterdir())
+    except OSError as e:
+        raise _err(f"--out {given}: cannot read the directory: {e}") from None
+    if empty:
+        return real
+    if is_previous_export(real):
+        if not force:
+            raise _err(f"--out {given}: holds a previous export and is not empty; use --force to replace it")
+        return real
+    inside = _run_or_checkpoint_inside(real)
+    why = (f"it contains {inside}" if inside is not None
+           else f"it is not a previous export (only {', '.join(EXPORT_FILES)})")
+    raise _err(f"--out {given}: directory is not empty and {why}; export replaces nothing else, "
+               f"--force or not (choose a new or empty directory)")
 
 
 def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, force: bool = False,
                  provenance: dict[str, Any] | None = None, readme: str | None = None) -> Path:
-    """Write config.json + model.safetensors (+ README.md) for a DrafterConfig and its weights."""
-    from safetensors.torch import save_file
+    """Write config.json + model.safetensors (+ README.md) for a DrafterConfig and its weights.
 
-    out = Path(out_dir)
-    _check_out_dir(out, force)
+    `out_dir` is checked by `check_out_dir` (a previous export is replaced only
+    with `force`). The files get the usual umask-respecting permissions.
+    """
+    import secrets
+
+    from dflash_train.utils import save_safetensors
+
+    given = Path(out_dir)
+    out = check_out_dir(given, force)
     sd = _clean_state_dict(state_dict)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
     _validate_tensors(cfg, tensors)
-    tmp = out.with_name(out.name + ".tmp-export")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-export-{secrets.token_hex(4)}"
+    old = None
+    tmp.mkdir()
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config_dict(cfg, provenance), indent=2) + "\n")
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         if readme is not None:
             (tmp / README_FILE).write_text(readme)
+        check_out_dir(given, force)  # again, right before replacing anything
         if out.exists():
-            shutil.rmtree(out)
+            old = out.parent / f".{out.name}.old-export-{secrets.token_hex(4)}"
+            out.rename(old)  # a previous export (checked above); removed once the new one is in place
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():
+            old.rename(out)
         raise
-    return out
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return given
 
 
 def expected_tensor_names(cfg) -> list[str]:
@@ -499,7 +609,7 @@ def _validate_tensors(cfg, tensors: dict[str, torch.Tensor]) -> None:
 def export_checkpoint(ckpt_or_run_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
     """Export a checkpoint (or a run's latest) to `out_dir`; refuses a non-empty dir without force."""
     out = Path(out_dir)
-    _check_out_dir(out, force)  # before the (possibly slow) load
+    check_out_dir(out, force)  # before the (possibly slow) load
     src = resolve_drafter_source(ckpt_or_run_dir)
     summary = run_summary(src.run_dir, src.step, src.meta)
     name = (src.run_dir.name if src.run_dir is not None else out.name) + "-dflash"

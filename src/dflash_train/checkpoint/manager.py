@@ -35,13 +35,17 @@ the new complete checkpoint visible; leftovers are ``.tmp-*`` (ignored, removed
 when the next CheckpointManager is created on the directory).
 
 Retention (after each commit): keep the newest `keep_last` complete
-checkpoints with step <= the one just saved, plus the one ``best`` points at,
-plus the one just committed. Everything else under ``step-*`` is removed
-(renamed to ``.tmp-delete-*`` first, so a half-deleted directory is never
-visible), including checkpoints with a HIGHER step than the one just saved:
-they belong to an abandoned timeline (the run was resumed from an older
-checkpoint) and must not win the next `find_resumable`. The only valid
-checkpoint is never removed because the just-committed one is always kept.
+checkpoints with step <= the one just saved, plus the one ``best`` points at
+(if its step is <= the one just saved), plus the one just committed. Only
+complete checkpoints past `keep_last` are deleted (renamed to ``.tmp-delete-*``
+first, so a half-deleted directory is never visible): that is what the config
+asked for. Nothing else is ever deleted: a checkpoint with a HIGHER step than
+the one just saved (an abandoned timeline: the run was resumed from an older
+checkpoint), one that does not verify, and an older copy of a step that is
+saved again are moved to ``<ckpt_dir>.set-aside-<UTC time>/`` (checkpoint/aside.py;
+one per manager, created on first use), so they can no longer win the next
+`find_resumable`, and the move is logged. The only valid checkpoint is never
+removed because the just-committed one is always kept.
 
 `on_commit(step, path)` (optional) is called after each commit + retention,
 from the writer thread when async (e.g. ``lambda s, p:
@@ -67,6 +71,7 @@ from typing import Any, Callable
 
 import torch
 
+from dflash_train.checkpoint.aside import aside_path, move_into
 from dflash_train.checkpoint.store import (
     BEST,
     FORMAT_VERSION,
@@ -84,7 +89,7 @@ from dflash_train.checkpoint.store import (
     step_dir_name,
     verify_checkpoint,
 )
-from dflash_train.utils import fsync_dir, fsync_path
+from dflash_train.utils import fsync_dir, fsync_path, save_safetensors
 
 Log = Callable[[str], None]
 
@@ -194,6 +199,7 @@ class CheckpointManager:
         self._pending_step: int | None = None
         self._error: BaseException | None = None
         self._abandon = threading.Event()
+        self._aside_dir: Path | None = None  # <ckpt_dir>.set-aside-<time>/, created on first use
         self._commit_lock = threading.RLock()  # re-entrant: abandon() may run in a signal handler on the thread holding it (sync mode)
         self.last_stats: SaveStats | None = None
         self.last_requested_step: int | None = None  # last step passed to save() (committed or in flight)
@@ -328,13 +334,11 @@ class CheckpointManager:
             self.log(f"error: checkpoint step {step} failed: {type(e).__name__}: {e}")
 
     def _write(self, tmp: Path, step: int, tensors, objects, meta, snapshot_s: float) -> None:
-        from safetensors.torch import save_file
-
         t0 = time.perf_counter()
         tmp.mkdir()
         self._check()
         model_path = tmp / MODEL_FILE
-        save_file(tensors, str(model_path), metadata={"format": "pt", "step": str(step)})
+        save_safetensors(tensors, model_path, metadata={"format": "pt", "step": str(step)})
         fsync_path(model_path)
         self._check()
         state_path = tmp / STATE_FILE
@@ -371,16 +375,15 @@ class CheckpointManager:
         with self._commit_lock:
             self._check()
             replaced = None
-            if final.exists():  # same step saved again (e.g. after a resume): move the old one aside
-                replaced = self.ckpt_dir / f"{TMP_PREFIX}replaced-{final.name}-{secrets.token_hex(4)}"
-                os.rename(final, replaced)
+            if final.exists():  # same step saved again (e.g. after a resume): the old copy is set aside
+                replaced = self._set_aside(final)
             os.rename(tmp, final)
             fsync_dir(self.ckpt_dir)
             set_link(self.ckpt_dir, LATEST, final)
             self.last_committed_step = step
             self.last_committed_path = final
         if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
+            self.log(f"checkpoint: moved the earlier {final.name} aside to {replaced} (step saved again)")
         self._retention(step, final)
         write_s = time.perf_counter() - t0
         nbytes = sum(f["size"] for f in files.values()) + (final / MANIFEST_FILE).stat().st_size
@@ -402,23 +405,36 @@ class CheckpointManager:
             self._code_version = code_version()
         return self._code_version
 
+    def _set_aside(self, p: Path) -> Path:
+        """Move checkpoint dir `p` into this manager's set-aside dir (never deleted)."""
+        if self._aside_dir is None:
+            self._aside_dir = aside_path(self.ckpt_dir, "set-aside")
+        dest = move_into(p, self._aside_dir)
+        fsync_dir(self.ckpt_dir)
+        return dest
+
     def _retention(self, new_step: int, new_path: Path) -> None:
         entries = list_checkpoints(self.ckpt_dir)
         protected = {new_path.resolve()}
         best = read_link(self.ckpt_dir, BEST)
-        if best is not None:
+        if best is not None and (parse_step(best.name) or 0) <= new_step:
             protected.add(best.resolve())
         complete_older = [p for s, p in reversed(entries) if s <= new_step and not verify_checkpoint(p, check_hashes=False)]
         keep = protected | {p.resolve() for p in complete_older[: self.keep_last]}
         for s, p in entries:
             if p.resolve() in keep:
                 continue
-            if s > new_step:
-                why = f"newer than step {new_step} just saved (abandoned timeline after a resume)"
-            elif p not in complete_older:
-                why = "incomplete"
-            else:
-                why = f"keep_last={self.keep_last}"
+            if s > new_step or p not in complete_older:
+                why = (f"newer than step {new_step} just saved: abandoned timeline after a resume" if s > new_step
+                       else "does not verify")
+                try:
+                    dest = self._set_aside(p)
+                except OSError as e:
+                    self.log(f"warning: checkpoint retention could not move {p} aside: {e}")
+                    continue
+                self.log(f"checkpoint: moved {p.name} aside to {dest} ({why}; nothing deleted)")
+                continue
+            why = f"keep_last={self.keep_last}"
             gone = self.ckpt_dir / f"{TMP_PREFIX}delete-{p.name}-{secrets.token_hex(4)}"
             try:
                 os.rename(p, gone)

@@ -74,6 +74,37 @@ def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def is_checkpoint_dir(path: Path) -> bool:
+    """A checkpoint, complete or not: a directory with manifest.json, or a
+    ``step-NNNNNNNN`` directory holding model.safetensors or state.pt."""
+    p = Path(path)
+    try:
+        if not p.is_dir():
+            return False
+        if (p / MANIFEST_FILE).exists():
+            return True
+        return parse_step(p.name) is not None and any((p / f).exists() for f in REQUIRED_FILES)
+    except OSError:  # unreadable: not known to be one
+        return False
+
+
+def holds_checkpoints(path: Path) -> bool:
+    """A directory checkpoints live in: a run dir's ``checkpoints/``, or any
+    directory with a checkpoint directly in it (a set-aside ``checkpoints.*``,
+    a deploy's preserved copies)."""
+    from dflash_train.control.run_record import CHECKPOINTS_DIR, is_run_dir
+
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    if p.name == CHECKPOINTS_DIR and is_run_dir(p.parent):
+        return True
+    try:
+        return any(is_checkpoint_dir(c) for _, c in list_checkpoints(p))
+    except OSError:  # an unreadable directory: nothing known to live there
+        return False
+
+
 def read_link(ckpt_dir: Path, name: str) -> Path | None:
     """Target of the ``latest`` / ``best`` symlink (absolute), or None if absent/dangling."""
     link = Path(ckpt_dir) / name

@@ -42,6 +42,8 @@ from dflash_train.utils import atomic_write_json
 
 RUN_FILE = "run.json"
 METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+CHECKPOINTS_DIR = "checkpoints"
 START_TIME_TOLERANCE_S = 1.0
 FOREIGN_STALE_SECONDS = 600.0
 
@@ -59,6 +61,14 @@ def _parse_iso(s: Any) -> float | None:
         return datetime.fromisoformat(str(s)).timestamp()
     except (TypeError, ValueError):
         return None
+
+
+def is_run_dir(path: Path) -> bool:
+    """The one definition of a run dir: a directory holding run.json, config.yaml
+    or checkpoints/ (what `dflash-train train` creates). `export` never writes over
+    one (see export.check_out_dir)."""
+    p = Path(path)
+    return p.is_dir() and ((p / RUN_FILE).is_file() or (p / CONFIG_FILE).is_file() or (p / CHECKPOINTS_DIR).is_dir())
 
 
 def process_create_time(pid: int) -> float | None:

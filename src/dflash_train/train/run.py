@@ -276,13 +276,16 @@ class Trainer:
         from dflash_train.checkpoint import find_resumable
 
         ckpt_dir = self.run_dir / "checkpoints"
-        if self.resume_arg == "never":
-            return
+        path = None
         if self.resume_arg == "auto":
             path = find_resumable(ckpt_dir, log=log.warning)
-            if path is None:
-                return
-        else:
+        if self.resume_arg in ("auto", "never") and path is None:
+            if self.is_leader:  # fresh start: keep, never delete, what an earlier start left (checkpoint/aside.py)
+                from dflash_train.checkpoint.aside import set_aside_for_fresh_start
+
+                set_aside_for_fresh_start(self.run_dir, self.resume_arg, log.warning)
+            return
+        if self.resume_arg != "auto":
             path = Path(self.resume_arg)
             if not path.exists():
                 raise TrainError(f"--resume {path}: no such checkpoint")
