@@ -48,20 +48,21 @@ def _guard(fn):
 @app.command()
 def train(
     overrides: List[str] = typer.Argument(None, help="section.key=value overrides, e.g. train.max_steps=100"),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML config file"),
+    config: Optional[Path] = typer.Option(
+        None, "--config", "-c", help="YAML config file (default: RUN_DIR/config.yaml of an existing run, else built-in defaults)"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="run directory (default runs/<name>)"),
     resume: str = typer.Option("auto", "--resume", help="auto | never | PATH to a checkpoint"),
 ):
     """Train a drafter (online pipeline, or from precomputed features)."""
 
     def go():
-        from dflash_train.config import load_config
+        from dflash_train.config import load_run_config
 
-        cfg = load_config(config, overrides or [])
+        # without --config an existing run dir's own config.yaml is the base (README "Resuming")
+        cfg, rd, origin = load_run_config(config, overrides or [], run_dir)
         from dflash_train.train.run import run_training
 
-        rd = run_dir or Path("runs") / cfg.name
-        code = run_training(cfg, rd, resume=resume, argv=sys.argv)
+        code = run_training(cfg, rd, resume=resume, argv=sys.argv, config_origin=origin)
         raise typer.Exit(code)
 
     _guard(go)
@@ -219,6 +220,8 @@ def stop(
     """Gracefully stop a running job and confirm its checkpoint."""
 
     def go():
+        if not timeout >= 0:  # also refuses nan
+            raise UserError(f"--timeout must be a number of seconds >= 0 (got {timeout})")
         from dflash_train.control.commands import stop_command
 
         raise typer.Exit(stop_command(run_dir, via or [], timeout, signal_name, force))

@@ -405,6 +405,12 @@ def eval_command(
         def progress(i: int, n: int) -> None:
             print(f"  prompt {i}/{n}", file=sys.stderr, flush=True)
 
+    if len(prompt_list) < num_prompts:
+        import sys
+
+        where = "held-out prompts that fit data.max_tokens" if prompts == "heldout" else f"prompts in {prompts}"
+        print(f"note: evaluating {len(prompt_list)} prompts, not the {num_prompts} asked for: there are only "
+              f"{len(prompt_list)} {where}", file=sys.stderr, flush=True)
     res = evaluate_tau(model, tgt, prompt_list, max_new_tokens, temperature, seed, progress=progress)
     res.update({
         "drafter": str(src.path),
@@ -412,6 +418,7 @@ def eval_command(
         "target": target_path,
         "untrained": bool(untrained),
         "prompts": prompts,
+        "num_prompts_requested": num_prompts,  # num_prompts (evaluated) is lower when fewer were available
     })
     if as_json:
         print(json.dumps(_jsonable(res), allow_nan=False))

@@ -411,6 +411,84 @@ def _gguf_family(path: Path) -> str:
     return _FAMILY_BY_MODEL_TYPE.get(arch, arch or "unknown")
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _check_safetensors(fp: Path) -> None:
+    """The header of a safetensors file parses and the file holds every byte it describes."""
+    import json
+
+    size = fp.stat().st_size
+    with open(fp, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > size - 8:
+            raise TargetError(f"{fp}: truncated or not a safetensors file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise TargetError(f"{fp}: corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise TargetError(f"{fp}: corrupt safetensors header")
+    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    need = 8 + n + max(ends, default=0)
+    if need > size:
+        raise TargetError(f"{fp}: truncated: its header describes {need} bytes, the file has {size}")
+
+
+def check_target_files(cfg: TargetConfig) -> dict[str, int] | None:
+    """Cheap checks of the target's files before anything loads; a problem raises
+    TargetError naming the file. For a HF directory returns {"num_layers", "vocab_size"}
+    from config.json (None where the file is silent), else None."""
+    import json
+
+    spec = cfg.path
+    if spec == EMBEDDED_TARGET:
+        return None
+    if spec.startswith("embedded:"):
+        raise TargetError(f"unknown embedded target {spec!r}; the only one is {EMBEDDED_TARGET!r}")
+    path = Path(spec).expanduser()
+    if spec.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise TargetError(f"target GGUF file not found: {path}")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise TargetError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+        return None
+    if not path.is_dir():
+        raise TargetError(f"target path not found: {path} (give a local HF directory, a .gguf file or {EMBEDDED_TARGET})")
+    cj = path / "config.json"
+    if not cj.is_file():
+        raise TargetError(f"{path} is not a Hugging Face model directory (no config.json)")
+    try:
+        mc = json.loads(cj.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TargetError(f"{cj}: not a readable JSON model config ({_first_line(e)})") from None
+    if not isinstance(mc, dict):
+        raise TargetError(f"{cj}: not a model config (top level is not an object)")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise TargetError(f"{index}: not a readable safetensors index ({_first_line(e)})") from None
+        for name in shards:
+            if not (path / name).is_file():
+                raise TargetError(f"{path / name}: missing (listed in {index.name})")
+    for fp in sorted(path.glob("*.safetensors")):
+        _check_safetensors(fp)
+    tc = mc.get("text_config") if isinstance(mc.get("text_config"), dict) else mc
+
+    def _int(key: str) -> int | None:
+        v = tc.get(key, mc.get(key))
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+    return {"num_layers": _int("num_hidden_layers"), "vocab_size": _int("vocab_size")}
+
+
 def load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
     """(tokenizer, family) of the target, without loading its weights."""
     import json
@@ -420,47 +498,61 @@ def load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
     spec = cfg.path
     if spec == EMBEDDED_TARGET:
         return _gguf_tokenizer(embedded_gguf_path()), "gemma3"
-    if spec.startswith("embedded:"):
-        raise TargetError(f"unknown embedded target {spec!r}; the only one is {EMBEDDED_TARGET!r}")
+    check_target_files(cfg)
     path = Path(spec).expanduser()
     if spec.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise TargetError(f"target GGUF file not found: {path}")
-        return _gguf_tokenizer(path), _gguf_family(path)
-    if not (path / "config.json").is_file():
-        raise TargetError(f"target path not found or not a Hugging Face model directory: {path}")
+        family = _gguf_family(path)
+        try:
+            return _gguf_tokenizer(path), family
+        except Exception as e:  # noqa: BLE001 - a user's broken file: one line naming it
+            raise TargetError(f"{path}: cannot read the tokenizer of this GGUF file ({_first_line(e)})") from None
     mc = json.loads((path / "config.json").read_text())
     mt = (mc.get("text_config") or {}).get("model_type") or mc.get("model_type", "unknown")
-    return AutoTokenizer.from_pretrained(str(path)), _FAMILY_BY_MODEL_TYPE.get(mt, mt)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise TargetError(f"{path}: cannot load the target's tokenizer ({_first_line(e)})") from None
+    return tok, _FAMILY_BY_MODEL_TYPE.get(mt, mt)
 
 
-def load_target(cfg: TargetConfig, device: torch.device | str | None = None) -> Target:
-    """Load the frozen target described by `cfg` (see the module docstring)."""
+def load_target(cfg: TargetConfig, device: torch.device | str | None = None, tokenizer=None) -> Target:
+    """Load the frozen target described by `cfg` (see the module docstring).
+    `tokenizer`: one already loaded by `load_tokenizer(cfg)` (not loaded again).
+    Unreadable files raise TargetError naming the file, never a library traceback."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_train.utils import resolve_device
 
+    if cfg.device == "cuda" and device is None and not torch.cuda.is_available():
+        raise TargetError("target.device=cuda but no CUDA GPU is available here (torch.cuda.is_available() is "
+                          "False); use target.device=auto or cpu")
     dev = torch.device(device) if device is not None else resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, dev)
     spec = cfg.path
     t0 = time.perf_counter()
     kw = dict(dtype=dtype, attn_implementation="sdpa")
+    check_target_files(cfg)
     if spec == EMBEDDED_TARGET or spec.lower().endswith(".gguf"):
         path = embedded_gguf_path() if spec == EMBEDDED_TARGET else Path(spec).expanduser()
-        if not path.is_file():
-            raise TargetError(f"target GGUF file not found: {path}")
-        tokenizer = _gguf_tokenizer(path)
-        model = _gguf_model(path, kw)
-    elif spec.startswith("embedded:"):
-        raise TargetError(f"unknown embedded target {spec!r}; the only one is {EMBEDDED_TARGET!r}")
+        what = "tokenizer"
+        try:
+            if tokenizer is None:
+                tokenizer = _gguf_tokenizer(path)
+            what = "weights"
+            model = _gguf_model(path, kw)
+        except Exception as e:  # noqa: BLE001 - a user's broken file: one line naming it
+            raise TargetError(f"{path}: cannot read the {what} of this GGUF file ({_first_line(e)})") from None
     else:
         path = Path(spec).expanduser()
-        if not path.is_dir():
-            raise TargetError(f"target path not found: {path} (give a local HF directory, a .gguf file or {EMBEDDED_TARGET})")
-        if not (path / "config.json").is_file():
-            raise TargetError(f"{path} is not a Hugging Face model directory (no config.json)")
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(str(path))
+            except Exception as e:  # noqa: BLE001
+                raise TargetError(f"{path}: cannot load the target's tokenizer ({_first_line(e)})") from None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+        except Exception as e:  # noqa: BLE001
+            raise TargetError(f"{path}: cannot load the target model ({_first_line(e)})") from None
     model.to(dev)
     model.eval()
     model.requires_grad_(False)

@@ -7,6 +7,7 @@ batches, trainer ranks run this loop with DDP.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -69,16 +70,41 @@ def vocab_subset_from_rows(input_ids: torch.Tensor, loss_mask: torch.Tensor, k: 
     return torch.sort(order[:k]).values
 
 
+def _to_log_file(level: int, msg: str, exc_info: bool = False) -> None:
+    """Write one record to the run's log FILE handlers only (stderr already gets the
+    CLI's one line, or Python's traceback)."""
+    root = logging.getLogger("dflash_train")
+    files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        return
+    rec = root.makeRecord(root.name, level, __file__, 0, msg, (), sys.exc_info() if exc_info else None)
+    for h in files:
+        try:
+            h.handle(rec)
+        except Exception:  # noqa: BLE001 - logging must not mask the real error
+            pass
+
+
 def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list[str] | None = None,
-                 target=None) -> int:
-    """Train; returns the process exit code. `target`: an already loaded Target to reuse (demo)."""
+                 target=None, config_origin: str | None = None) -> int:
+    """Train; returns the process exit code. `target`: an already loaded Target to reuse (demo).
+    `config_origin`: where `cfg` came from, for the log."""
+    from dflash_train.config import ConfigError
     from dflash_train.train import distributed as dd
 
     ctx = dd.DistContext.from_env(cfg)
     try:
         if ctx.is_target_rank:
             return dd.serve_target_rank(cfg, Path(run_dir), ctx)
-        code = Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx, target).run()
+        code = Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx, target, config_origin).run()
+    except (ConfigError, UserError, FileNotFoundError) as e:
+        # a user mistake: the CLI prints it as one line; the run's log keeps it too
+        _to_log_file(logging.ERROR, f"error: {e}")
+        raise
+    except Exception:
+        # an internal error: its traceback goes to logs/train.log as well as stderr
+        _to_log_file(logging.ERROR, "internal error (a bug, not a mistake of yours): traceback follows", exc_info=True)
+        raise
     finally:
         ctx.shutdown()
     if code == 130:
@@ -92,8 +118,14 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: Path, resume: str, argv: list[str], ctx, target=None) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: str, argv: list[str], ctx, target=None,
+                 config_origin: str | None = None) -> None:
         self.cfg = cfg
+        self.config_origin = config_origin
+        self.num_anchors = cfg.train.num_anchors
+        self._resume_path: Path | None = None
+        self._resume_config: dict | None = None  # the config recorded with the checkpoint resumed from
+        self._eval_disabled: str | None = None
         self._given_target = target
         self.run_dir = run_dir
         self.resume_arg = resume
@@ -107,13 +139,141 @@ class Trainer:
         self._ngram_measured = False
 
     # ------------------------------------------------------------------ set-up
-    def _setup_run_dir(self) -> None:
-        from dflash_train.control.run_record import RunDirBusy, RunRecord
+    def _check_run_dir(self) -> None:
+        """The run dir (and what the trainer writes in it) is a writable directory; one line if not."""
+        rd = self.run_dir
+        for p in (rd, rd / "checkpoints", rd / "logs"):
+            if p.exists() and not p.is_dir():
+                raise TrainError(f"--run-dir {rd}: {p} is a file, not a directory")
+        base = rd
+        while not base.exists() and base != base.parent:
+            base = base.parent
+        if not base.is_dir():
+            raise TrainError(f"--run-dir {rd}: {base} is not a directory")
+        for p in (base, rd / "checkpoints", rd / "logs"):
+            if p.is_dir() and not _writable(p):
+                raise TrainError(f"--run-dir {rd}: {p} is not writable (read-only file system or permissions)")
+
+    def _setup_logging(self) -> None:
         from dflash_train.train.metrics import setup_logging
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "checkpoints").mkdir(exist_ok=True)
-        setup_logging(self.run_dir, self.ctx.rank, self.is_leader)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "checkpoints").mkdir(exist_ok=True)
+            setup_logging(self.run_dir, self.ctx.rank, self.is_leader)
+        except OSError as e:
+            raise TrainError(f"--run-dir {self.run_dir}: cannot write there: {e.strerror or e} "
+                             f"({e.filename or self.run_dir})") from None
+        if self.config_origin:
+            log.info("config: %s", self.config_origin)
+
+    def _check_not_busy(self) -> None:
+        """Read-only: refuse a run dir a live trainer holds before looking at anything else."""
+        from dflash_train.control.run_record import liveness, read_record
+
+        old = read_record(self.run_dir)
+        if old and old.get("pid") != os.getpid():
+            live, why = liveness(old)
+            if live:
+                raise TrainError(
+                    f"run dir {self.run_dir} is in use by a live trainer: pid {old.get('pid')} on host "
+                    f"{old.get('hostname')} ({why}); stop it first: dflash-train stop {self.run_dir}")
+
+    def _preflight(self) -> None:
+        """Everything that can be checked before loading data or the target, and that
+        writes nothing: device, the checkpoint to resume from, THE resume rule (see
+        config.RESUME_MAY_CHANGE), the target's files, layer ids / mask token against
+        the target's config.json."""
+        from dflash_train.config import ConfigError, check_resume_config
+        from dflash_train.target.model import check_target_files
+
+        cfg = self.cfg
+        for key, dev in (("train.device", cfg.train.device), ("target.device", cfg.target.device)):
+            if dev == "cuda" and not torch.cuda.is_available():
+                raise ConfigError(f"{key}=cuda but no CUDA GPU is available here (torch.cuda.is_available() is "
+                                  f"False); use {key}=auto or cpu")
+        self._resume_path = self._choose_checkpoint()
+        if self._resume_path is not None:
+            old = self._recorded_config(self._resume_path)
+            if old is None:
+                log.warning("checkpoint %s records no config (written by an older version): config changes on "
+                            "resume cannot be checked", self._resume_path)
+            else:
+                self._resume_config = old
+                for line in check_resume_config(old, cfg, f"checkpoint {self._resume_path}"):
+                    log.info("%s", line)
+        d = cfg.data
+        data_paths = [("data.source", d.source, d.source[len(k):]) for k in ("jsonl:", "prepared:", "precomputed:")
+                      if d.source.startswith(k)]
+        if d.regenerated:
+            data_paths.append(("data.regenerated", d.regenerated, d.regenerated))
+        for key, spec, path in data_paths:
+            if not Path(path).expanduser().exists():
+                raise ConfigError(f"{key}={spec}: {Path(path).expanduser()} not found")
+        if self._given_target is None:
+            shape = check_target_files(cfg.target)
+            if shape:
+                self._check_target_fit(shape.get("num_layers"), shape.get("vocab_size"), ConfigError)
+
+    def _check_target_fit(self, num_layers: int | None, vocab_size: int | None, err=None) -> None:
+        err = err or TrainError
+        m = self.cfg.model
+        where = f"target {self.cfg.target.path}"
+        if num_layers and m.target_layer_ids is not None:
+            bad = [i for i in m.target_layer_ids if not 0 <= i < num_layers]
+            if bad:
+                raise err(f"model.target_layer_ids={m.target_layer_ids}: {bad} out of range for {where} with "
+                          f"{num_layers} layers (valid ids 0..{num_layers - 1})")
+        if vocab_size and m.mask_token_id is not None and m.mask_token_id >= vocab_size:
+            raise err(f"model.mask_token_id={m.mask_token_id} out of range: {where} has {vocab_size} embedding rows "
+                      f"(valid ids 0..{vocab_size - 1})")
+
+    def _choose_checkpoint(self) -> Path | None:
+        """The checkpoint this start resumes from (verified), or None for a fresh start."""
+        from dflash_train.checkpoint import CheckpointError, find_resumable, resolve_checkpoint_path, verify_checkpoint
+
+        if self.resume_arg == "never":
+            return None
+        if self.resume_arg == "auto":
+            return find_resumable(self.run_dir / "checkpoints", log=log.warning)
+        given = Path(self.resume_arg)
+        if not given.exists():
+            raise TrainError(f"--resume {given}: no such checkpoint (give auto, never, or a checkpoint directory)")
+        if not given.is_dir():
+            raise TrainError(f"--resume {given} is a file; give a checkpoint directory (RUN/checkpoints/step-N), "
+                             f"a run dir, auto or never")
+        try:
+            path = resolve_checkpoint_path(given)
+        except CheckpointError as e:
+            raise TrainError(f"--resume {given}: {e}") from None
+        problems = verify_checkpoint(path)
+        if problems:
+            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise TrainError(f"--resume {path}: not a valid checkpoint: {problems[0]}{more}")
+        return path
+
+    def _recorded_config(self, ckpt: Path) -> dict | None:
+        """The full config recorded in the checkpoint's manifest; for checkpoints written
+        before manifests carried it, RUN/config.yaml when its hash matches the manifest's."""
+        from dflash_train.checkpoint import read_manifest
+        from dflash_train.config import ConfigError, RunConfig, load_config
+
+        man = read_manifest(ckpt)
+        cfg = (man.get("meta") or {}).get("config")
+        if isinstance(cfg, dict):
+            return cfg
+        own = self.run_dir / "config.yaml"
+        try:
+            old = load_config(own) if own.is_file() else None
+        except ConfigError:
+            old = None
+        if isinstance(old, RunConfig) and old.hash() == man.get("config_hash"):
+            return old.to_dict()
+        return None
+
+    def _setup_run_dir(self) -> None:
+        from dflash_train.control.run_record import RunDirBusy, RunRecord
+
         self.record = None
         if self.is_leader:
             self.record = RunRecord(self.run_dir)
@@ -125,15 +285,31 @@ class Trainer:
         log.info("run dir %s, code %s, config %s", self.run_dir, code_version(), self.cfg.hash())
 
     def _build(self) -> None:
+        from types import SimpleNamespace
+
         from dflash_train.data import load_prepared
         from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
-        from dflash_train.target import load_target
+        from dflash_train.target import load_target, load_tokenizer
 
         cfg = self.cfg
         self.device = self.ctx.trainer_device(resolve_device(cfg.train.device))
         seed_everything(cfg.train.seed)
+        online = not cfg.data.source.startswith("precomputed:")
+        tokenizer = None
+        if online:
+            # data first (tokenizer only): a data mistake shows before the target's weights load
+            if self._given_target is not None:
+                tokenizer, family = self._given_target.tokenizer, self._given_target.family
+            else:
+                tokenizer, family = load_tokenizer(cfg.target)
+            self.data = load_prepared(cfg, tokenizer, family)
+            log.info("data: %s", self.data.stats)
+            self._cap_anchors(int(self.data.input_ids.shape[1]))
+            self._pick_eval_prompts(SimpleNamespace(tokenizer=tokenizer, family=family))
         t0 = time.perf_counter()
-        self.target = self._given_target or load_target(cfg.target, device=self.ctx.target_device(self.device))
+        self.target = self._given_target or load_target(cfg.target, device=self.ctx.target_device(self.device),
+                                                        tokenizer=tokenizer)
+        self._check_target_fit(self.target.num_layers, self.target.vocab_size)
         log.info("target %s loaded in %.1fs: %d layers, hidden %d, vocab %d, mask token %d",
                  cfg.target.path, time.perf_counter() - t0, self.target.num_layers, self.target.hidden_size,
                  self.target.vocab_size, self.target.mask_token_id)
@@ -145,11 +321,11 @@ class Trainer:
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
                  self.drafter_cfg.block_size)
         self.precomputed = None
-        if cfg.data.source.startswith("precomputed:"):
+        if not online:
             self.data = self._open_precomputed(cfg.data.source[len("precomputed:"):])
-        else:
-            self.data = load_prepared(cfg, self.target.tokenizer, self.target.family)
-        log.info("data: %s", self.data.stats)
+            log.info("data: %s", self.data.stats)
+            self._cap_anchors(int(self.data.input_ids.shape[1]))
+            self._pick_eval_prompts(self.target)
         rows = (self.data.input_ids, self.data.loss_mask, self.data.document_ids)
         self.vocab_subset = vocab_subset_from_rows(self.data.input_ids, self.data.loss_mask, cfg.train.vocab_subset)
         if self.vocab_subset is not None:
@@ -178,6 +354,42 @@ class Trainer:
             # around the layers is data-dependent and stays eager; parameter names are unchanged
             for layer in self.drafter.layers:
                 layer.compile()
+
+    def _cap_anchors(self, row_len: int) -> None:
+        """A row of T tokens has at most T-1 anchor positions: more anchors only add
+        padding blocks (weight 0) that cost time, so the count is capped (same losses)."""
+        most = max(1, row_len - 1)
+        if self.cfg.train.num_anchors > most:
+            self.num_anchors = most
+            log.warning("train.num_anchors=%d capped to %d: a row of %d tokens has at most %d anchor positions "
+                        "(more only add empty blocks; the losses are the same)", self.cfg.train.num_anchors, most,
+                        row_len, most)
+
+    def _pick_eval_prompts(self, tok_source) -> None:
+        """At start-up: the held-out prompts of the in-training eval. None usable -> the
+        eval is disabled with a warning (never an error: it must not end a run)."""
+        from dflash_train.eval.selection import pick_eval_prompts
+
+        cfg = self.cfg
+        if not (self.is_leader and cfg.eval.every_steps):
+            return
+        try:
+            prompts = pick_eval_prompts(self.data.heldout, cfg.eval.num_prompts, tok_source, cfg.data.max_tokens)
+        except Exception as e:  # noqa: BLE001 - eval problems never end a run
+            prompts = []
+            why = f"cannot format held-out prompts ({type(e).__name__}: {e})"
+        else:
+            why = (f"no held-out conversation (data.heldout_fraction={cfg.data.heldout_fraction}, "
+                   f"{len(self.data.heldout)} held out) has a prompt that fits data.max_tokens={cfg.data.max_tokens}")
+        if not prompts:
+            self._eval_disabled = why
+            log.warning("in-training eval disabled: %s; training continues without it "
+                        "(run `dflash-train eval --drafter RUN --prompts FILE.jsonl` on the checkpoints)", why)
+            return
+        if len(prompts) < cfg.eval.num_prompts:
+            log.warning("in-training eval: only %d held-out prompts fit data.max_tokens=%d (eval.num_prompts=%d)",
+                        len(prompts), cfg.data.max_tokens, cfg.eval.num_prompts)
+        self._eval_prompts = prompts
 
     def _open_precomputed(self, path: str):
         from types import SimpleNamespace
@@ -232,6 +444,7 @@ class Trainer:
         meta = {
             "step": self.state.step,
             "config_hash": self.cfg.hash(),
+            "config": self.cfg.to_dict(),  # the full resolved config: what the resume rule compares against
             "code_version": code_version(),
             "drafter_config": self.drafter_cfg.to_dict(),
             "target_path": self.cfg.target.path,
@@ -241,9 +454,21 @@ class Trainer:
         return tensors, objects, meta
 
     def _restore(self, path: Path) -> None:
-        from dflash_train.checkpoint import load_checkpoint, restore_rng_state
+        from dflash_train.checkpoint import CheckpointError, load_checkpoint, restore_rng_state
 
-        tensors, objects, manifest = load_checkpoint(path)
+        try:
+            tensors, objects, manifest = load_checkpoint(path)
+        except CheckpointError as e:
+            raise TrainError(f"cannot resume: {e}") from None
+        saved = (manifest.get("meta") or {}).get("drafter_config")
+        if isinstance(saved, dict):
+            now = self.drafter_cfg.to_dict()
+            diff = [k for k in now if k in saved and json.dumps(saved[k]) != json.dumps(now[k])]
+            if diff:
+                k = diff[0]
+                raise TrainError(f"checkpoint {path} does not fit this drafter: {k} was {json.dumps(saved[k])}, "
+                                 f"now {json.dumps(now[k])} (target {self.cfg.target.path} differs from the one "
+                                 f"the run was trained against?)" + (f"; also {diff[1:]}" if diff[1:] else ""))
         names = {k for k, _ in self.drafter.named_parameters()}
         if set(tensors) != names:
             missing, unexpected = sorted(names - set(tensors)), sorted(set(tensors) - names)
@@ -263,6 +488,7 @@ class Trainer:
             self.drafter.load_state_dict(tensors, strict=True)
             self.optimizer.load_state_dict(objects["optimizer"])
         self.scheduler.load_state_dict(objects["scheduler"])
+        self._apply_schedule_changes()
         self.state = TrainState(**objects["train_state"])
         rng = objects["rng"]
         if len(rng) != self.ctx.num_trainers:
@@ -272,23 +498,36 @@ class Trainer:
                           self._rng_generators())
         log.info("resumed from %s at step %d (%d tokens trained)", path, self.state.step, self.state.tokens)
 
-    def _resume(self) -> None:
-        from dflash_train.checkpoint import find_resumable
+    def _apply_schedule_changes(self) -> None:
+        """THE resume rule for the lr schedule: lr(step) = train.lr * lr_factor(step; max_steps,
+        warmup_fraction, min_lr_ratio) with the CURRENT values. The restored scheduler keeps
+        its step count; when a schedule key changed, its base lr becomes the new train.lr and
+        the lr of the next step is recomputed (unchanged config: restored as saved, bit-exact)."""
+        from dflash_train.config import LR_SCHEDULE_KEYS, config_changes
+        from dflash_train.train.schedule import lr_factor
 
-        ckpt_dir = self.run_dir / "checkpoints"
-        path = None
-        if self.resume_arg == "auto":
-            path = find_resumable(ckpt_dir, log=log.warning)
-        if self.resume_arg in ("auto", "never") and path is None:
+        if self._resume_config is None:
+            return
+        if not any(k in LR_SCHEDULE_KEYS for k, _, _ in config_changes(self._resume_config, self.cfg)):
+            return
+        t = self.cfg.train
+        s = self.scheduler.last_epoch
+        self.scheduler.base_lrs = [t.lr for _ in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["initial_lr"] = t.lr
+            g["lr"] = t.lr * lr_factor(s, t.max_steps, t.warmup_fraction, t.min_lr_ratio)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        log.info("resume: lr schedule recomputed at step %d: lr %.3g (train.lr %.3g, max_steps %d)", s,
+                 self.optimizer.param_groups[0]["lr"], t.lr, t.max_steps)
+
+    def _resume(self) -> None:
+        path = self._resume_path  # chosen and verified by _preflight
+        if path is None:
             if self.is_leader:  # fresh start: keep, never delete, what an earlier start left (checkpoint/aside.py)
                 from dflash_train.checkpoint.aside import set_aside_for_fresh_start
 
                 set_aside_for_fresh_start(self.run_dir, self.resume_arg, log.warning)
             return
-        if self.resume_arg != "auto":
-            path = Path(self.resume_arg)
-            if not path.exists():
-                raise TrainError(f"--resume {path}: no such checkpoint")
         self._restore(path)
         if self.is_leader:
             from dflash_train.train.metrics import truncate_metrics
@@ -304,12 +543,20 @@ class Trainer:
         from dflash_train.control.signals import AbortRun, StopController
 
         threading.current_thread().name = "trainer"  # what py-spy / profile show for this stage
-        self._setup_run_dir()
+        # a stop signal is handled from the start (once run.json names this pid, `stop` may send one)
         stopper = StopController()
         stopper.install()
         self.ckpt = None
+        self.record = None
         exit_code = 0
         try:
+            # order: checks that write nothing first, so a refused start changes nothing on disk
+            self._check_run_dir()
+            self._setup_logging()
+            if self.is_leader:
+                self._check_not_busy()
+            self._preflight()
+            self._setup_run_dir()
             self._build()
             self._resume()
             if self.is_leader:
@@ -399,7 +646,7 @@ class Trainer:
                     with sync_ctx, autocast:
                         out = dflash_loss(
                             self.model, self.target, batch.input_ids, batch.loss_mask, batch.document_ids,
-                            batch.features, num_anchors=cfg.train.num_anchors, generator=self.anchor_gen,
+                            batch.features, num_anchors=self.num_anchors, generator=self.anchor_gen,
                             gamma=cfg.train.loss_gamma, chunk_blocks=cfg.train.loss_chunk_blocks,
                             vocab_subset=self.vocab_subset,
                         )
@@ -514,21 +761,31 @@ class Trainer:
 
     def _in_training_eval(self, metrics) -> None:
         from dflash_train.eval.command import evaluate_tau
-        from dflash_train.eval.selection import pick_eval_prompts
 
-        if not self.is_leader:
+        if not self.is_leader or self._eval_disabled:
             self._mark_best_if(False)
             return
         if self._eval_prompts is None:
-            self._eval_prompts = pick_eval_prompts(self.data.heldout, self.cfg.eval.num_prompts, self.target,
-                                                   self.cfg.data.max_tokens)
+            self._pick_eval_prompts(self.target)
+            if not self._eval_prompts:
+                self._mark_best_if(False)
+                return
         prompts = self._eval_prompts
         log.info("eval at step %d: %d held-out prompts", self.state.step, len(prompts))
         self.drafter.eval()
-        res = evaluate_tau(self.drafter, self.target, prompts, self.cfg.eval.max_new_tokens,
-                           self.cfg.eval.temperature, seed=self.cfg.train.seed, measure_plain=False,
-                           measure_ngram=not self._ngram_measured)
-        self.drafter.train()
+        try:
+            res = evaluate_tau(self.drafter, self.target, prompts, self.cfg.eval.max_new_tokens,
+                               self.cfg.eval.temperature, seed=self.cfg.train.seed, measure_plain=False,
+                               measure_ngram=not self._ngram_measured)
+        except Exception as e:  # noqa: BLE001 - an eval that cannot run never ends the run
+            log.warning("eval at step %d could not run and was skipped (training continues): %s: %s",
+                        self.state.step, type(e).__name__, e)
+            if not isinstance(e, UserError):
+                _to_log_file(logging.WARNING, "eval traceback:", exc_info=True)
+            self._mark_best_if(False)
+            return
+        finally:
+            self.drafter.train()
         if not self._ngram_measured:
             self._tau_ngram = res["tau_ngram"]  # None at temperature > 0 (prompt lookup is greedy only)
             self._ngram_measured = True
@@ -553,6 +810,18 @@ class Trainer:
         self.ckpt.wait()
         if self.is_leader:
             self.ckpt.mark_best(self.state.step)
+
+
+def _writable(d: Path) -> bool:
+    """Can this process create a file in directory `d`? (tried, so a read-only mount
+    or an immutable dir counts even for root)"""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".write-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 class _FollowerCheckpoints:
