@@ -159,6 +159,10 @@ def test_fresh_start_moves_unreadable_checkpoints_aside(trained):
     ck = run / "checkpoints"
     for f in ("model.safetensors", "state.pt", "manifest.json"):  # checkpoint files: 0644 under umask 022
         assert (ck / "step-00000004" / f).stat().st_mode & 0o777 == 0o644, f
+    # so are the files of the tokenised-data cache (data/prepare.py) the run wrote
+    cached = [p for p in (root / "data-cache").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in cached), cached
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in cached} == {p.name: "0o644" for p in cached}
     assert _steps(run) == [1, 2, 3, 4]
     # every checkpoint becomes unreadable (e.g. a bad copy): no resume is possible
     for p in ck.glob("step-*/model.safetensors"):
@@ -181,6 +185,19 @@ def test_fresh_start_moves_unreadable_checkpoints_aside(trained):
     # the new run's metrics do not mix with the old run's
     assert _steps(run) == [1, 2, 3, 4]
     assert (ck / "latest").resolve().name == "step-00000004"
+
+
+def test_precomputed_features_and_their_data_cache_are_readable_by_others(trained):
+    """`dflash-train precompute` under umask 022: shards, index and the data cache come out 0644."""
+    root, over = trained
+    out, cache = root / "pre", root / "pre-data-cache"
+    over = [o for o in over if not o.startswith("data.cache_dir=")] + [f"data.cache_dir={cache}"]
+    res = cli("precompute", "--out", out, "--dtype", "float32", "--rows-per-shard", 8, *over)
+    assert res.returncode == 0, res.stderr
+    files = [p for d in (out, cache) for p in d.rglob("*") if p.is_file()]
+    shards = [p for p in files if p.name.startswith("shard-")]
+    assert len(shards) > 1 and any(p.name.startswith("rows-") for p in files), files
+    assert {str(p): oct(p.stat().st_mode & 0o777) for p in files} == {str(p): "0o644" for p in files}
 
 
 def test_resume_never_moves_old_checkpoints_aside(trained):

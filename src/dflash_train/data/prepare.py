@@ -211,8 +211,9 @@ def build_prepared(cfg, tokenizer, family: str | None,
 
 
 def save_prepared(data: PreparedData, out_dir: Path, inputs: dict[str, Any]) -> Path:
-    """Write `data` to `out_dir` atomically (a temp dir renamed into place)."""
-    from safetensors.torch import save_file
+    """Write `data` to `out_dir` atomically (a temp dir renamed into place); files get
+    the usual (umask-respecting) permissions, like every file a server may read."""
+    from dflash_train.utils import save_safetensors
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -223,8 +224,9 @@ def save_prepared(data: PreparedData, out_dir: Path, inputs: dict[str, Any]) -> 
     for k, s in enumerate(range(0, data.num_rows, ROWS_PER_SHARD)):
         name = f"rows-{k:05d}.safetensors"
         e = s + ROWS_PER_SHARD
-        save_file({"input_ids": data.input_ids[s:e].contiguous(), "loss_mask": data.loss_mask[s:e].contiguous(),
-                   "document_ids": data.document_ids[s:e].contiguous()}, str(tmp / name))
+        save_safetensors({"input_ids": data.input_ids[s:e].contiguous(),
+                          "loss_mask": data.loss_mask[s:e].contiguous(),
+                          "document_ids": data.document_ids[s:e].contiguous()}, tmp / name)
         shards.append({"file": name, "rows": int(min(e, data.num_rows) - s)})
     with (tmp / "heldout.jsonl").open("w") as f:
         for c in data.heldout:

@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dflash_train.errors import UserError
 from dflash_train.pipeline.batch import TrainBatch
-from dflash_train.utils import atomic_write_json
+from dflash_train.utils import atomic_write_json, save_safetensors
 
 log = logging.getLogger("dflash_train")
 FORMAT = 1
@@ -74,9 +73,10 @@ def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard:
             if progress:
                 progress(start + j + 1, n)
         name = f"shard-{s:05d}.safetensors"
-        save_file({"input_ids": ids.contiguous(), "loss_mask": mask.to(torch.uint8).contiguous(),
-                   "document_ids": docs.to(torch.int32).contiguous(), "features": torch.cat(feats).contiguous()},
-                  str(out / name))
+        # save_safetensors: umask-respecting permissions (save_file alone creates 0600)
+        save_safetensors({"input_ids": ids.contiguous(), "loss_mask": mask.to(torch.uint8).contiguous(),
+                          "document_ids": docs.to(torch.int32).contiguous(),
+                          "features": torch.cat(feats).contiguous()}, out / name)
         shards.append({"file": name, "start": start, "rows": stop - start, "sha256": _sha256(out / name)})
     index = {
         "format": FORMAT,
