@@ -310,3 +310,45 @@ def test_background_failure_is_reported(tmp_path, monkeypatch):
     assert _steps(d) == [] and not list(d.glob(".tmp-*")) and read_link(d, "latest") is None
     assert any(line.startswith("error: checkpoint step 1 failed") for line in logs)
     mgr.wait()  # reported once
+
+
+def test_best_link_never_dangles_after_a_move_aside(tmp_path):
+    """best -> a checkpoint that is moved aside: re-pointed at the remaining one with the highest
+    tau in ../metrics.jsonl (earliest of equal ones), else removed; both logged."""
+    import json as _json
+
+    from dflash_train.checkpoint.aside import set_aside_newer
+
+    run = tmp_path / "run"
+    d = run / "checkpoints"
+    logs = []
+    mgr = CheckpointManager(d, keep_last=10, log=logs.append, code_version="x")
+    for s in (1, 2, 3, 4):
+        _save(mgr, s)
+    mgr.mark_best(4)
+    taus = {1: 1.5, 2: 1.7, 3: 1.7, 4: 2.0}
+    (run / "metrics.jsonl").write_text("".join(_json.dumps({"step": s, "tau": t, "eval": True}) + "\n"
+                                               for s, t in taus.items()) + '{"step": 4, "loss": 1.0}\n{"trunc')
+    # a resume from step 3: 4 (best) is set aside at once; best -> 2 (tau 1.7, earlier than 3)
+    dest = set_aside_newer(d, d / "step-00000003", 3, logs.append, run / "metrics.jsonl")
+    assert _steps(dest) == [4] and _steps(d) == [1, 2, 3]
+    assert (dest / "metrics.jsonl").read_text() == (run / "metrics.jsonl").read_text()
+    assert read_link(d, "latest") == d / "step-00000003" and read_link(d, "best") == d / "step-00000002"
+    assert any("best pointed at step-00000004, which was moved aside; best -> step-00000002 (recorded tau 1.700"
+               in line for line in logs), logs
+    # no remaining checkpoint has a recorded tau: the link is removed (logged), never left dangling
+    (run / "metrics.jsonl").write_text("")
+    set_aside_newer(d, d / "step-00000001", 1, logs.append, run / "metrics.jsonl")
+    assert not (d / "best").is_symlink() and read_link(d, "latest") == d / "step-00000001"
+    assert any("removed the best link: it pointed at step-00000002" in line for line in logs), logs
+    # retention: a best that does not verify is set aside like any broken checkpoint, and best follows
+    mgr = CheckpointManager(d, keep_last=10, log=logs.append, code_version="x")
+    for s in (2, 3):
+        _save(mgr, s)
+    mgr.mark_best(2)
+    (run / "metrics.jsonl").write_text("".join(_json.dumps({"step": s, "tau": 1.1 * s, "eval": True}) + "\n"
+                                               for s in (1, 2, 3)))
+    (d / "step-00000002" / "state.pt").write_bytes(b"x")
+    _save(mgr, 4)
+    mgr.wait()
+    assert _steps(d) == [1, 3, 4] and read_link(d, "best") == d / "step-00000003"

@@ -15,6 +15,18 @@ Two cases move checkpoints out of the way instead of removing them:
   is moved to ``<ckpt_dir>.set-aside-<UTC time>/`` (one per manager, created
   on first use) so it can no longer win `find_resumable`. Only complete
   checkpoints past ``keep_last`` are deleted (what the config asked for).
+* A resume (`set_aside_newer`): every checkpoint with a higher step than the
+  one resumed from (``--resume RUN/checkpoints/step-N`` of an older one: an
+  abandoned timeline; or newer ones that do not verify) is moved to
+  ``<ckpt_dir>.set-aside-<UTC time>/`` before training, with a copy of
+  ``metrics.jsonl`` as it was, so the choice is on disk at once: a process
+  killed before its first save resumes the chosen timeline with
+  ``--resume auto``, not the newer abandoned one.
+
+When the checkpoint ``best`` points at is moved aside, ``best`` is re-pointed
+at the remaining checkpoint with the highest tau recorded in ``metrics.jsonl``
+(eval lines), or removed when none has one; a ``latest`` left dangling points
+at the newest remaining complete checkpoint (`repair_links`). Both are logged.
 
 If ``checkpoints`` is a symlink, the directory it points to is the one moved
 aside (the link keeps pointing at a fresh, empty directory on the same storage).
@@ -27,7 +39,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from dflash_train.checkpoint.store import TMP_PREFIX, list_checkpoints
+from dflash_train.checkpoint.store import (
+    BEST,
+    LATEST,
+    TMP_PREFIX,
+    list_checkpoints,
+    read_link,
+    set_link,
+    verify_checkpoint,
+)
 
 Log = Callable[[str], None]
 
@@ -99,4 +119,91 @@ def set_aside_for_fresh_start(run_dir: Path, resume: str, log: Log) -> Path | No
               "--resume never" if resume == "never" else "--resume auto: no checkpoint to resume from")
     log(f"fresh start at step 0 ({reason}): moved the earlier {' and '.join(kept) or 'checkpoints/'} aside to "
         f"{dest} (nothing deleted; remove it yourself once it is no longer needed)")
+    return dest
+
+
+def recorded_taus(metrics_path: Path | None) -> dict[int, float]:
+    """step -> tau of the eval lines of ``metrics.jsonl`` (the last one per step)."""
+    import json
+
+    out: dict[int, float] = {}
+    if metrics_path is None or not Path(metrics_path).is_file():
+        return out
+    for line in Path(metrics_path).read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line being written, or damaged
+            continue
+        if isinstance(rec, dict) and rec.get("eval") and isinstance(rec.get("tau"), (int, float)):
+            out[int(rec.get("step", 0))] = float(rec["tau"])
+    return out
+
+
+def repair_links(ckpt_dir: Path, log: Log, metrics_path: Path | None = None) -> None:
+    """Re-point (or remove) a ``best`` / ``latest`` link whose checkpoint is gone (moved aside).
+
+    ``best``: the remaining complete checkpoint with the highest recorded tau (the
+    earliest of equal ones, as training marks only a strict improvement), else the
+    link is removed. ``latest``: the newest remaining complete checkpoint, else removed."""
+    import os
+
+    from dflash_train.utils import fsync_dir
+
+    ckpt_dir = Path(ckpt_dir)
+    for name in (LATEST, BEST):
+        link = ckpt_dir / name
+        if not link.is_symlink() or read_link(ckpt_dir, name) is not None:
+            continue
+        old = os.readlink(link)
+        complete = [(s, p) for s, p in list_checkpoints(ckpt_dir) if not verify_checkpoint(p, check_hashes=False)]
+        new, why = None, ""
+        if name == LATEST and complete:
+            new, why = complete[-1][1], "the newest remaining checkpoint"
+        elif name == BEST:
+            taus = recorded_taus(metrics_path)
+            scored = [(taus[s], -s, p) for s, p in complete if s in taus]
+            if scored:
+                tau, _, new = max(scored)
+                why = f"recorded tau {tau:.3f}, the highest among the remaining checkpoints"
+        if new is not None:
+            set_link(ckpt_dir, name, new)
+            log(f"checkpoint: {name} pointed at {Path(old).name}, which was moved aside; {name} -> {new.name} ({why})")
+        else:
+            link.unlink()
+            fsync_dir(ckpt_dir)
+            none = "no remaining checkpoint has a recorded tau" if name == BEST else "no complete checkpoint remains"
+            log(f"checkpoint: removed the {name} link: it pointed at {Path(old).name}, which was moved aside, and "
+                f"{none}")
+
+
+def set_aside_newer(ckpt_dir: Path, resumed: Path, step: int, log: Log, metrics_path: Path | None = None) -> Path | None:
+    """At a resume from `resumed` (at `step`): move the ``step-*`` dirs of `ckpt_dir` with a
+    higher step to ``<ckpt_dir>.set-aside-<UTC time>/`` (plus a copy of `metrics_path`), make
+    ``latest`` point at `resumed` when it lies in `ckpt_dir`, repair ``best``. Durable (fsync'd)
+    before it returns, so a later ``--resume auto`` continues from `resumed`. Returns the place,
+    or None when nothing was newer."""
+    from dflash_train.utils import fsync_dir
+
+    ckpt_dir = Path(ckpt_dir)
+    resumed = Path(resumed)
+    newer = [(s, p) for s, p in list_checkpoints(ckpt_dir) if s > step and p.resolve() != resumed.resolve()]
+    if not newer:
+        return None
+    dest = aside_path(ckpt_dir, "set-aside")
+    for _, p in newer:
+        move_into(p, dest)
+    copied = ""
+    if metrics_path is not None and Path(metrics_path).is_file():
+        shutil.copy2(metrics_path, dest / Path(metrics_path).name)
+        copied = f" and a copy of {Path(metrics_path).name}"
+    fsync_dir(dest)
+    fsync_dir(ckpt_dir)
+    fsync_dir(dest.parent)
+    if resumed.resolve().parent == ckpt_dir.resolve() and read_link(ckpt_dir, LATEST) != resumed:
+        set_link(ckpt_dir, LATEST, resumed)
+    names = ", ".join(p.name for _, p in newer)
+    log(f"resume from step {step} ({resumed}): moved the newer checkpoint{'s' if len(newer) > 1 else ''} {names}"
+        f"{copied} aside to {dest}, so that a later --resume auto continues from step {step} (nothing deleted; "
+        f"remove it yourself once it is no longer needed)")
+    repair_links(ckpt_dir, log, metrics_path)
     return dest

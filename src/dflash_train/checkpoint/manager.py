@@ -44,8 +44,10 @@ the one just saved (an abandoned timeline: the run was resumed from an older
 checkpoint), one that does not verify, and an older copy of a step that is
 saved again are moved to ``<ckpt_dir>.set-aside-<UTC time>/`` (checkpoint/aside.py;
 one per manager, created on first use), so they can no longer win the next
-`find_resumable`, and the move is logged. The only valid checkpoint is never
-removed because the just-committed one is always kept.
+`find_resumable`, and the move is logged; a ``best`` link left dangling by a
+move is re-pointed at the remaining checkpoint with the highest tau recorded in
+``<ckpt_dir>/../metrics.jsonl``, or removed (aside.repair_links). The only valid
+checkpoint is never removed because the just-committed one is always kept.
 
 `on_commit(step, path)` (optional) is called after each commit + retention,
 from the writer thread when async (e.g. ``lambda s, p:
@@ -71,7 +73,7 @@ from typing import Any, Callable
 
 import torch
 
-from dflash_train.checkpoint.aside import aside_path, move_into
+from dflash_train.checkpoint.aside import aside_path, move_into, repair_links
 from dflash_train.checkpoint.store import (
     BEST,
     FORMAT_VERSION,
@@ -417,10 +419,12 @@ class CheckpointManager:
         entries = list_checkpoints(self.ckpt_dir)
         protected = {new_path.resolve()}
         best = read_link(self.ckpt_dir, BEST)
-        if best is not None and (parse_step(best.name) or 0) <= new_step:
+        # a best that does not verify is no use as best: it is set aside like any broken one
+        if best is not None and (parse_step(best.name) or 0) <= new_step and not verify_checkpoint(best, check_hashes=False):
             protected.add(best.resolve())
         complete_older = [p for s, p in reversed(entries) if s <= new_step and not verify_checkpoint(p, check_hashes=False)]
         keep = protected | {p.resolve() for p in complete_older[: self.keep_last]}
+        moved = False
         for s, p in entries:
             if p.resolve() in keep:
                 continue
@@ -433,6 +437,7 @@ class CheckpointManager:
                     self.log(f"warning: checkpoint retention could not move {p} aside: {e}")
                     continue
                 self.log(f"checkpoint: moved {p.name} aside to {dest} ({why}; nothing deleted)")
+                moved = True
                 continue
             why = f"keep_last={self.keep_last}"
             gone = self.ckpt_dir / f"{TMP_PREFIX}delete-{p.name}-{secrets.token_hex(4)}"
@@ -443,3 +448,10 @@ class CheckpointManager:
                 continue
             shutil.rmtree(gone, ignore_errors=True)
             self.log(f"checkpoint: removed {p.name} ({why})")
+        if moved:  # `best` may have pointed at one of them: re-point it by recorded tau, or remove it
+            from dflash_train.control.run_record import METRICS_FILE
+
+            try:
+                repair_links(self.ckpt_dir, self.log, self.ckpt_dir.parent / METRICS_FILE)
+            except OSError as e:
+                self.log(f"warning: checkpoint retention could not repair the best/latest links: {e}")

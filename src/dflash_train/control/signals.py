@@ -24,6 +24,20 @@ Signal semantics:
   3rd: os._exit(130) immediately (no cleanup at all).
 `request_stop(reason)` sets the same flag from code (e.g. train.max_seconds).
 
+Every delivery counts, also while the main thread sits in one long C call
+(a tokenizer's batch encode, a safetensors load): CPython runs a Python
+handler only between bytecodes, once per signal NUMBER that arrived, so two
+SIGINTs during one call used to reach the handler as one and the second was
+lost. `install` therefore points `signal.set_wakeup_fd` at a pipe (the C-level
+handler writes one byte per delivery) and a daemon "signal-watcher" thread
+counts those bytes as they come: the 1st sets the flags; the 2nd writes the
+line and sends the signal again to the main thread (`pthread_kill`, which
+also interrupts a blocking wait there), whose handler calls `on_abandon()`
+and raises `AbortRun` as soon as it runs Python again (a C call keeps it
+until the call returns); the 3rd exits at once from the watcher, even while
+the main thread is still in C or in `on_abandon()`. Where the wakeup fd is taken (an
+asyncio loop installed one) the handler counts its own calls as before.
+
 Worker threads never receive Python signal handlers (CPython runs them in the
 main thread only), so target/post-process threads need nothing. Worker
 PROCESSES (e.g. DataLoader workers; a terminal Ctrl-C goes to the whole process
@@ -64,15 +78,34 @@ def _write_stderr(msg: str) -> None:
         pass
 
 
+_FORK_HOOK = False
+
+
+def _forget_wakeup_fd_in_child() -> None:
+    # a forked child (e.g. a DataLoader worker before it ignores the signals) must not write
+    # its deliveries into the parent's pipe: the parent's watcher would count them as its own
+    try:
+        signal.set_wakeup_fd(-1)
+    except (ValueError, OSError):
+        pass
+
+
 class StopController:
     def __init__(self, on_abandon: Callable[[], None] | None = None) -> None:
         self.on_abandon = on_abandon
         self.stop_requested = False
         self.signal_name: str | None = None  # of the first signal, or "request_stop:<reason>"
         self.requested_at: float | None = None  # time.monotonic() of the first request
-        self.count = 0  # signals received
+        self.count = 0  # signals received (deliveries)
         self.abort_requested = False
         self._previous: dict[int, object] = {}
+        self._lock = threading.Lock()
+        self._wakeup: tuple[int, int] | None = None  # (read fd, write fd) of the wakeup pipe
+        self._previous_wakeup = -1
+        self._watcher: threading.Thread | None = None
+        self._injected: dict[int, int] = {}  # bytes of the re-sends to the main thread, not deliveries
+        self._abort_name: str | None = None  # set by the watcher: the main thread must raise AbortRun
+        self._abort_raised = False
 
     # ------------------------------------------------------------------ install
 
@@ -81,9 +114,11 @@ class StopController:
             raise RuntimeError("StopController.install must be called from the main thread")
         for s in STOP_SIGNALS:
             self._previous[s] = signal.signal(s, self._handle)
+        self._start_watcher()
         return self
 
     def uninstall(self) -> None:
+        self._stop_watcher()
         for s, prev in self._previous.items():
             try:
                 signal.signal(s, prev)  # type: ignore[arg-type]
@@ -96,6 +131,62 @@ class StopController:
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
+
+    def _start_watcher(self) -> None:
+        """Count deliveries from the wakeup fd (see the module docstring)."""
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            old = None
+        if old is None or old != -1:  # not possible, or someone else's (asyncio): leave theirs in place
+            if old not in (None, -1):
+                signal.set_wakeup_fd(old)
+            os.close(r)
+            os.close(w)
+            return
+        global _FORK_HOOK
+        if not _FORK_HOOK:
+            os.register_at_fork(after_in_child=_forget_wakeup_fd_in_child)
+            _FORK_HOOK = True
+        self._wakeup = (r, w)
+        self._previous_wakeup = old
+        self._watcher = threading.Thread(target=self._watch, args=(r,), name="signal-watcher", daemon=True)
+        self._watcher.start()
+
+    def _stop_watcher(self) -> None:
+        if self._wakeup is None:
+            return
+        r, w = self._wakeup
+        self._wakeup = None
+        try:
+            signal.set_wakeup_fd(self._previous_wakeup)
+        except (ValueError, OSError):  # not the main thread: leave it; writes to a closed fd are ignored
+            pass
+        os.close(w)  # the watcher reads EOF and ends
+        if self._watcher is not None:
+            self._watcher.join(2.0)
+            self._watcher = None
+        os.close(r)
+
+    def _watch(self, r: int) -> None:
+        stop_nums = {int(s) for s in STOP_SIGNALS}
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for b in data:
+                if b not in stop_nums:
+                    continue
+                with self._lock:
+                    if self._injected.get(b):
+                        self._injected[b] -= 1
+                        continue
+                self._delivered(b, in_main=False)
 
     # ------------------------------------------------------------------ state
 
@@ -112,24 +203,52 @@ class StopController:
     # ------------------------------------------------------------------ handler
 
     def _handle(self, signum: int, frame) -> None:  # noqa: ARG002
-        self.count += 1
+        if self._wakeup is None:  # no watcher: each call of this handler is one delivery
+            self._delivered(signum, in_main=True)
+            return
+        # the watcher counts deliveries; here (the main thread) the abort it decided is carried out
+        name = self._abort_name
+        if name is not None and not self._abort_raised:
+            self._abort_raised = True
+            self._abandon_and_raise(name)
+
+    def _abandon_and_raise(self, name: str) -> None:
+        cb = self.on_abandon
+        if cb is not None:
+            try:
+                cb()
+            except Exception as e:  # noqa: BLE001 - must still abort
+                _write_stderr(f"abandon callback failed: {type(e).__name__}: {e}")
+        raise AbortRun(name)
+
+    def _delivered(self, signum: int, in_main: bool) -> None:
+        with self._lock:
+            self.count += 1
+            n = self.count
         name = signal.Signals(signum).name
-        if self.count == 1:
+        if n == 1:
             self.stop_requested = True
             self.signal_name = name
             self.requested_at = time.monotonic()
             return
-        if self.count == 2:
+        if n == 2:
             self.abort_requested = True
             _write_stderr(f"{name} again: abandoning the checkpoint in progress and exiting {ABORT_EXIT_CODE} "
                           "(a third signal exits at once)")
-            cb = self.on_abandon
-            if cb is not None:
-                try:
-                    cb()
-                except Exception as e:  # noqa: BLE001 - must still abort
-                    _write_stderr(f"abandon callback failed: {type(e).__name__}: {e}")
-            raise AbortRun(name)
+            if in_main:
+                self._abort_raised = True
+                self._abandon_and_raise(name)
+            # from the watcher: the main thread abandons and raises AbortRun (in its handler, so it
+            # cannot carry on meanwhile); a real signal, not _thread.interrupt_main, so that it also
+            # wakes from a blocking wait. Its wakeup byte is not a delivery.
+            self._abort_name = name
+            with self._lock:
+                self._injected[signum] = self._injected.get(signum, 0) + 1
+            try:
+                signal.pthread_kill(threading.main_thread().ident, signum)
+            except (OSError, ValueError, TypeError):  # no main thread left to clean up
+                os._exit(ABORT_EXIT_CODE)
+            return
         _write_stderr(f"{name} a third time: exiting {ABORT_EXIT_CODE} now")
         os._exit(ABORT_EXIT_CODE)
 

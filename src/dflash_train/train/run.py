@@ -530,7 +530,13 @@ class Trainer:
             return
         self._restore(path)
         if self.is_leader:
+            from dflash_train.checkpoint.aside import set_aside_newer
             from dflash_train.train.metrics import truncate_metrics
+
+            # the choice of checkpoint is on disk before training: newer ones (an abandoned
+            # timeline, or ones that do not verify) are moved aside now, not at the first save
+            set_aside_newer(self.run_dir / "checkpoints", path, self.state.step, log.warning,
+                            self.run_dir / "metrics.jsonl")
 
             dropped = truncate_metrics(self.run_dir / "metrics.jsonl", self.state.step)
             if dropped:
