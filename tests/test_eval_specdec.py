@@ -224,3 +224,34 @@ def test_sampling_end_to_end_matches_target_distribution(tiny_target_factory):
     assert cells_e[0] > 0.1
     assert (cells_o - cells_e).abs().max() < 0.08, (cells_o, cells_e)  # > 3 sigma at N=400
     assert 0 < accepted_any < N  # drafts were both accepted and rejected
+
+
+# --------------------------------------------------------------------------- the decoding head
+
+
+def test_inference_logits_equal_logits_and_do_not_depend_on_the_row_count(tiny_target_factory, family, monkeypatch):
+    """`Target.inference_logits` (packed oneDNN lm_head on CPU float32) == `logits` up to
+    rounding; a row's logits are bitwise the same in a block of any size; an in-place edit
+    of the weight is seen; with autograd, or switched off, it is exactly `logits`."""
+    t = _target(tiny_target_factory, family)
+    h = torch.randn(1, 9, t.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        full = t.inference_logits(h)
+        torch.testing.assert_close(full, t.logits(h), rtol=1e-5, atol=1e-5)
+        for k in (1, 2, 7, 8):
+            assert torch.equal(t.inference_logits(h[:, :k]), full[:, :k])
+            assert torch.equal(t.inference_logits(h[:, k:k + 1]), full[:, k:k + 1])
+    if torch.backends.mkldnn.is_available():
+        assert t._packed_head not in (None, "off")  # the packed path is the one tested here
+    with torch.no_grad():
+        t.lm_head_weight[:5] *= 2.0
+    with torch.inference_mode():
+        torch.testing.assert_close(t.inference_logits(h), t.logits(h), rtol=1e-5, atol=1e-5)
+    hg = h.clone().requires_grad_(True)
+    assert torch.equal(t.inference_logits(hg), t.logits(hg))
+    t.release_inference_cache()
+    monkeypatch.setenv("DFLASH_TRAIN_PACKED_LM_HEAD", "0")
+    t2 = _target(tiny_target_factory, family)
+    with torch.inference_mode():
+        assert torch.equal(t2.inference_logits(h), t2.logits(h))
+    assert t2._packed_head == "off"
