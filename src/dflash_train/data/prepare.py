@@ -119,6 +119,7 @@ def cache_inputs(cfg, tokenizer, family: str | None) -> dict[str, Any]:
         "max_tokens": d.max_tokens,
         "long_rule": d.long_rule,
         "heldout_fraction": d.heldout_fraction,
+        "copy_task_docs": d.copy_task_docs,
         "min_supervised": min_supervised_for(cfg),
         "tokenizer": tokenizer_fingerprint(tokenizer, family),
         "family": family,
@@ -173,7 +174,15 @@ def build_prepared(cfg, tokenizer, family: str | None,
                 dropped += 1
         if progress is not None:
             progress(i + 1, len(train))
-    if not docs:
+    n_real = len(docs)
+    if d.copy_task_docs:
+        from dflash_train.data.augment import copy_task_documents
+
+        # prompts come from the original source (a regenerated file holds few of them)
+        src_convs, _ = read_conversations(d.source, max(d.limit or 0, 4 * d.copy_task_docs))
+        docs += copy_task_documents(src_convs, fmt, tokenizer, d.copy_task_docs, d.max_tokens, d.heldout_fraction,
+                                    seed=int(cfg.train.seed))
+    if not n_real:
         raise DataError(
             f"{d.regenerated or d.source}: no training rows: {len(train)} training conversation(s), "
             f"{dropped} document(s) dropped for fewer than {min_sup} supervised tokens "
@@ -195,6 +204,7 @@ def build_prepared(cfg, tokenizer, family: str | None,
         "long_conversations": n_long,
         "long_rule": d.long_rule,
         "documents": len(docs),
+        "copy_task_documents": len(docs) - n_real,
         "dropped_documents": dropped,
         "min_supervised": min_sup,
         "rows": int(input_ids.shape[0]),
