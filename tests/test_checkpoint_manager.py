@@ -255,7 +255,7 @@ def test_retention_never_deletes_only_valid(tmp_path):
 
 
 def test_checkpoint_and_atomic_files_respect_umask(tmp_path):
-    from dflash_train.utils import atomic_write_json
+    from dflash_train.rundir import atomic_write_json
 
     old = os.umask(0o022)
     try:

@@ -14,7 +14,7 @@ import pytest
 
 from dflash_train.checkpoint import verify_checkpoint
 from dflash_train.control.commands import status_command, stop_command
-from dflash_train.control.run_record import read_record
+from dflash_train.rundir import read_record
 
 PY = sys.executable
 
@@ -23,7 +23,7 @@ FAKE_TRAINER = textwrap.dedent(
     import json, signal, sys, threading, time, torch
     from pathlib import Path
     from dflash_train.checkpoint import CheckpointManager
-    from dflash_train.control.run_record import RunRecord
+    from dflash_train.rundir import RunRecord
     from dflash_train.control.signals import AbortRun, StopController
 
     run_dir = Path(sys.argv[1]); mode = sys.argv[2]

@@ -180,11 +180,11 @@ def test_preserve_and_restore_timeline(tmp_path, capsys):
     assert res["ok"] and res["restored"] and sorted(res["moved"]) == ["step-00000020", "step-00000030"], res
     assert sorted(p.name for p in ck.iterdir()) == ["latest", "step-00000010"]
     assert os.readlink(ck / "latest") == "step-00000010"
-    assert A.verify_checkpoint(ck / "step-00000010") == []
+    assert A.rundir.verify_checkpoint(ck / "step-00000010") == []
     assert (rd / "releases" / "new" / "abandoned-checkpoints" / "step-00000030" / "manifest.json").exists()
     # corrupted checkpoint is reported
     (ck / "step-00000010" / "state.pt").write_bytes(b"x")
-    assert A.verify_checkpoint(ck / "step-00000010")
+    assert A.rundir.verify_checkpoint(ck / "step-00000010")
 
 
 def _health(capsys, rd, pid, *extra):
@@ -267,3 +267,25 @@ def test_prune_keeps_current_previous_initial(tmp_path, capsys):
     assert left == ["a", "c", "d", "initial"], res  # b: oldest unprotected beyond keep=2
     assert (rd / "releases" / "d" / "stop-checkpoint").exists()  # current keeps its rollback point
     assert not (rd / "releases" / "a" / "stop-checkpoint").exists()
+
+
+def test_cleanup_failures_are_said_not_swallowed(tmp_path, capsys):
+    """A release that cannot be removed is reported as a failure, and the deployer turns a
+    failed unlock (run through the shipped agent + rundir script) into a warning naming the lock."""
+    import io
+
+    from dflash_train.deploy.command import Deployer
+
+    rd = tmp_path / "run"
+    rel = rd / "releases"
+    rel.mkdir(parents=True)
+    (rel / "stuck").write_text("a file where a release directory should be")
+    res = ag(capsys, "remove-release", "--run-dir", rd, "--id", "stuck")
+    assert res["ok"] is False and "cannot remove" in res["error"]
+    (rel / ".deploy.lock").write_text(json.dumps({"hostname": "elsewhere", "pid": 1, "time": time.time()}))
+    out = io.StringIO()
+    d = Deployer(rd, code=str(tmp_path), via=[], out=out)
+    d.run_dir = str(rd)
+    assert d.cleanup("unlock", "the lock stays", owner=d.owner) is None
+    assert "held by someone else" in d.report["warnings"][0] and "the lock stays" in out.getvalue()
+    assert (rel / ".deploy.lock").exists()

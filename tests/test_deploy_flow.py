@@ -88,7 +88,7 @@ class Job:
             return {}
 
     def live(self) -> bool:
-        from dflash_train.control.run_record import is_live
+        from dflash_train.rundir import is_live
 
         return is_live(self.record())
 

@@ -287,7 +287,7 @@ def validate_config(data: dict[str, Any], origin: str = "config") -> RunConfig:
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    from dflash_train.utils import atomic_write_text
+    from dflash_train.rundir import atomic_write_text
 
     atomic_write_text(Path(path), cfg.to_yaml())
 

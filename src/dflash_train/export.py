@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from dflash_train.rundir import read_metrics
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 README_FILE = "README.md"
@@ -237,7 +239,7 @@ def _target_path_from_run(run_dir: Path | None) -> str | None:
 def _load_checkpoint_source(ckpt: Path) -> DrafterSource:
     from safetensors.torch import load_file
 
-    from dflash_train.checkpoint.store import MODEL_FILE, CheckpointError, read_manifest, verify_checkpoint
+    from dflash_train.rundir import MODEL_FILE, CheckpointError, read_manifest, verify_checkpoint
 
     try:
         problems = verify_checkpoint(ckpt, check_hashes=True)
@@ -275,7 +277,7 @@ def resolve_drafter_source(path: str | Path, prefer_best: bool = False) -> Draft
     `path` may also be RUN_DIR/checkpoints or name ``RUN_DIR/best`` / ``RUN_DIR/latest``.
     Raises the CLI's UserError (one clear line) for anything else.
     """
-    from dflash_train.checkpoint.store import BEST, LATEST, MANIFEST_FILE, find_resumable, read_link
+    from dflash_train.rundir import BEST, LATEST, MANIFEST_FILE, find_resumable, read_link
 
     p = Path(path)
     if not p.exists():
@@ -312,20 +314,6 @@ def resolve_drafter_source(path: str | Path, prefer_best: bool = False) -> Draft
 # --------------------------------------------------------------------------- run summary / README
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    out = []
-    if not path.is_file():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
 def run_summary(run_dir: Path | None, step: int | None, meta: dict[str, Any]) -> dict[str, Any]:
     """steps, tokens, final loss, measured tau (if any) from RUN_DIR/summary.json and metrics.jsonl."""
     s: dict[str, Any] = {"step": step, "tokens": meta.get("tokens")}
@@ -338,7 +326,7 @@ def run_summary(run_dir: Path | None, step: int | None, meta: dict[str, Any]) ->
             summ = json.loads(sf.read_text())
         except ValueError:
             summ = {}
-    recs = _read_jsonl(run_dir / "metrics.jsonl")
+    recs = read_metrics(run_dir)
     if step is not None:
         recs = [r for r in recs if not isinstance(r.get("step"), (int, float)) or r["step"] <= step]
     train = [r for r in recs if not r.get("eval") and "loss" in r]
@@ -466,8 +454,7 @@ def is_previous_export(path: Path) -> bool:
 
 def _run_or_checkpoint_inside(path: Path, depth: int = 2, budget: int = 2000) -> str | None:
     """'the run dir X' / 'the checkpoint X' within `path` (a bounded look, for the error message only)."""
-    from dflash_train.checkpoint.store import holds_checkpoints, is_checkpoint_dir
-    from dflash_train.control.run_record import is_run_dir
+    from dflash_train.rundir import holds_checkpoints, is_checkpoint_dir, is_run_dir
 
     level = [path]
     for _ in range(depth):
@@ -494,7 +481,7 @@ def check_out_dir(out: Path, force: bool) -> Path:
     """Where `export --out` may write; raises the one-line UserError otherwise. Returns `out` resolved.
 
     The rule (README "What export and train never delete"):
-    * `out` may not be a run dir (control.run_record.is_run_dir), a checkpoint,
+    * `out` may not be a run dir (rundir.is_run_dir), a checkpoint,
       a directory checkpoints live in (RUN/checkpoints, a set-aside
       RUN/checkpoints.*), or lie inside a checkpoint or such a directory;
       `--force` does not change this.
@@ -505,8 +492,7 @@ def check_out_dir(out: Path, force: bool) -> Path:
       anything else (which covers one containing a run dir or checkpoint) is
       refused, `--force` or not.
     """
-    from dflash_train.checkpoint.store import holds_checkpoints, is_checkpoint_dir
-    from dflash_train.control.run_record import is_run_dir
+    from dflash_train.rundir import holds_checkpoints, is_checkpoint_dir, is_run_dir
 
     given = Path(out)
     real = given.resolve()

@@ -4,15 +4,16 @@ accuracy, tau over steps, stage utilisation; and the side-by-side comparison
 demo also prints at the end."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
 import math
+from pathlib import Path
 from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt  # noqa: E402
+
+from dflash_train import rundir  # noqa: E402
 
 
 EXPLANATION = [
@@ -57,15 +58,9 @@ def fmt_num(v: Any, spec: str, suffix: str = "") -> str:
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(training lines, eval lines) of RUN_DIR/metrics.jsonl."""
     train, evals = [], []
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return train, evals
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for rec in rundir.read_metrics(run_dir):
         (evals if rec.get("eval") else train).append(rec)
     return train, evals
 

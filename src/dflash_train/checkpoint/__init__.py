@@ -1,6 +1,6 @@
 """Atomic, manifest-verified, asynchronous checkpoints; retention; resume selection.
 
-Public API (see manager.py / store.py / rng.py docstrings for the details)::
+Public API (see manager.py / store.py / rng.py and dflash_train.rundir for the details)::
 
     mgr = CheckpointManager(ckpt_dir, keep_last, async_save=True, test_delay_seconds=0.0, log=print)
     mgr.save(step, tensors, objects, meta)   # snapshot now, write in the background
@@ -15,13 +15,13 @@ Public API (see manager.py / store.py / rng.py docstrings for the details)::
 """
 from dflash_train.checkpoint.manager import CheckpointManager, SaveStats
 from dflash_train.checkpoint.rng import capture_rng_state, restore_rng_state
-from dflash_train.checkpoint.store import (
+from dflash_train.checkpoint.store import load_checkpoint
+from dflash_train.rundir import (
     BEST,
     LATEST,
     CheckpointError,
     find_resumable,
     list_checkpoints,
-    load_checkpoint,
     read_link,
     read_manifest,
     resolve_checkpoint_path,

@@ -39,12 +39,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from dflash_train.checkpoint.store import (
+from dflash_train.rundir import (
     BEST,
+    CHECKPOINTS_DIR,
     LATEST,
+    METRICS_FILE,
     TMP_PREFIX,
+    fsync_dir,
     list_checkpoints,
     read_link,
+    recorded_taus,
     set_link,
     verify_checkpoint,
 )
@@ -89,8 +93,6 @@ def set_aside_for_fresh_start(run_dir: Path, resume: str, log: Log) -> Path | No
     Returns the new place, or None when there was nothing to keep (no checkpoint
     entries besides ``.tmp-*`` leftovers, no non-empty metrics.jsonl).
     """
-    from dflash_train.control.run_record import CHECKPOINTS_DIR, METRICS_FILE
-    from dflash_train.utils import fsync_dir
 
     run_dir = Path(run_dir)
     ckpt = run_dir / CHECKPOINTS_DIR
@@ -122,23 +124,6 @@ def set_aside_for_fresh_start(run_dir: Path, resume: str, log: Log) -> Path | No
     return dest
 
 
-def recorded_taus(metrics_path: Path | None) -> dict[int, float]:
-    """step -> tau of the eval lines of ``metrics.jsonl`` (the last one per step)."""
-    import json
-
-    out: dict[int, float] = {}
-    if metrics_path is None or not Path(metrics_path).is_file():
-        return out
-    for line in Path(metrics_path).read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # a line being written, or damaged
-            continue
-        if isinstance(rec, dict) and rec.get("eval") and isinstance(rec.get("tau"), (int, float)):
-            out[int(rec.get("step", 0))] = float(rec["tau"])
-    return out
-
-
 def repair_links(ckpt_dir: Path, log: Log, metrics_path: Path | None = None) -> None:
     """Re-point (or remove) a ``best`` / ``latest`` link whose checkpoint is gone (moved aside).
 
@@ -146,8 +131,6 @@ def repair_links(ckpt_dir: Path, log: Log, metrics_path: Path | None = None) -> 
     earliest of equal ones, as training marks only a strict improvement), else the
     link is removed. ``latest``: the newest remaining complete checkpoint, else removed."""
     import os
-
-    from dflash_train.utils import fsync_dir
 
     ckpt_dir = Path(ckpt_dir)
     for name in (LATEST, BEST):
@@ -182,8 +165,6 @@ def set_aside_newer(ckpt_dir: Path, resumed: Path, step: int, log: Log, metrics_
     ``latest`` point at `resumed` when it lies in `ckpt_dir`, repair ``best``. Durable (fsync'd)
     before it returns, so a later ``--resume auto`` continues from `resumed`. Returns the place,
     or None when nothing was newer."""
-    from dflash_train.utils import fsync_dir
-
     ckpt_dir = Path(ckpt_dir)
     resumed = Path(resumed)
     newer = [(s, p) for s, p in list_checkpoints(ckpt_dir) if s > step and p.resolve() != resumed.resolve()]

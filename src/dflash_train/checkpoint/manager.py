@@ -74,15 +74,18 @@ from typing import Any, Callable
 import torch
 
 from dflash_train.checkpoint.aside import aside_path, move_into, repair_links
-from dflash_train.checkpoint.store import (
+from dflash_train.rundir import (
     BEST,
     FORMAT_VERSION,
     LATEST,
     MANIFEST_FILE,
+    METRICS_FILE,
     MODEL_FILE,
     STATE_FILE,
     TMP_PREFIX,
     CheckpointError,
+    fsync_dir,
+    fsync_path,
     list_checkpoints,
     parse_step,
     read_link,
@@ -91,7 +94,7 @@ from dflash_train.checkpoint.store import (
     step_dir_name,
     verify_checkpoint,
 )
-from dflash_train.utils import fsync_dir, fsync_path, save_safetensors
+from dflash_train.utils import save_safetensors
 
 Log = Callable[[str], None]
 
@@ -449,8 +452,6 @@ class CheckpointManager:
             shutil.rmtree(gone, ignore_errors=True)
             self.log(f"checkpoint: removed {p.name} ({why})")
         if moved:  # `best` may have pointed at one of them: re-point it by recorded tau, or remove it
-            from dflash_train.control.run_record import METRICS_FILE
-
             try:
                 repair_links(self.ckpt_dir, self.log, self.ckpt_dir.parent / METRICS_FILE)
             except OSError as e:

@@ -1,7 +1,5 @@
 """Run control: the run.json live record, signal handling, status / stop / profile.
 
-    from dflash_train.control.run_record import RunRecord, RunDirBusy, read_record, is_live, liveness,
-                                                last_metrics, metrics_summary
     from dflash_train.control.signals import StopController, AbortRun, ignore_stop_signals,
                                              worker_init_ignore_signals, grace_warning
     from dflash_train.control.commands import status_command, stop_command, status_info, stop_run

@@ -37,8 +37,7 @@ from typing import Any, Callable, Sequence
 
 import psutil
 
-from dflash_train.checkpoint.store import LATEST, parse_step, read_link, verify_checkpoint
-from dflash_train.control.run_record import liveness, metrics_summary, read_record
+from dflash_train.rundir import LATEST, liveness, metrics_summary, parse_step, read_link, read_record, verify_checkpoint
 
 EXIT_LIVE = 0
 EXIT_NOT_LIVE = 3

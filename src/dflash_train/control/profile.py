@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dflash_train.control.run_record import liveness, read_record
+from dflash_train.rundir import liveness, read_record
 
 RATE_HZ = 100
 _THREAD_RE = re.compile(r"^thread \((\w+)\)(?::\s*(.*))?$")

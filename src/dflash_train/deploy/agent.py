@@ -1,9 +1,10 @@
 """Far-end helper for `dflash-train deploy`: one small, self-contained script.
 
 It is sent over the transport chain on stdin (``python - OP --args ...``) and
-runs on the job's host, so it imports NOTHING from dflash_train (the far end
-may run another version of it, or the new code under test) and only the
-standard library (psutil if present, for the exact process start time).
+runs on the job's host, so it imports nothing from the dflash_train installed
+there (the far end may run another version of it, or the new code under test):
+only the standard library (psutil if present, for the exact process start
+time) and the rundir module shipped with it.
 Every op prints one JSON object on stdout; exit code 0 unless the op itself
 could not run (bad arguments).
 
@@ -26,15 +27,18 @@ Ops::
                                            wait until the new process is verified live, resumed at S,
                                            advanced K steps with finite loss and tok/s >= X
 
-Liveness mirrors dflash_train.control.run_record.liveness: the pid exists, is
-not a zombie, and its start time equals run.json's create_time within 1 s; a
-reused pid is NOT the trainer. A record from another host is refused (deploy
-must reach the job's own host through --via).
+The run-dir protocol (run.json and liveness, checkpoint layout / latest /
+verification, metrics tail, atomic writes) is dflash_train/rundir.py, standard
+library only: `deploy` sends its source with this script (deploy/command.py,
+`shipped_script`), so the agent, `status`, `stop` and resume share one
+definition. Liveness: the pid exists, is not a zombie, and its start time
+equals run.json's create_time within 1 s; a reused pid is NOT the trainer. A
+record from another host is refused (deploy must reach the job's own host
+through --via).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -47,7 +51,16 @@ import sys
 import time
 from pathlib import Path
 
-START_TIME_TOLERANCE_S = 1.0
+try:  # installed by deploy's bootstrap (deploy/command.py: shipped_script) on the far end
+    rundir = sys.modules["dflash_train_shipped_rundir"]
+except KeyError:  # imported from the package (tests, the deployer itself)
+    from dflash_train import rundir
+
+def liveness(record: dict | None) -> tuple[bool, str]:
+    """The run-dir protocol's liveness; a record from another host is never acted on here."""
+    return rundir.liveness(record, other_host="refuse")
+
+
 RELEASES = "releases"
 CURRENT = "current"
 PREVIOUS = "previous"
@@ -61,104 +74,7 @@ SECRET_RE = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY$|^KEY", re
 RESUMED_RE = re.compile(r"resumed from (.+?) at step (\d+)")
 
 
-def now_iso() -> str:
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
-
-
-def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_json(path: Path):
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError as e:
-        return {"corrupt": f"{path}: {e}"}
-
-
 # --------------------------------------------------------------------------- processes
-
-
-def _boot_time() -> float:
-    with open("/proc/stat") as f:
-        for line in f:
-            if line.startswith("btime"):
-                return float(line.split()[1])
-    raise OSError("no btime in /proc/stat")
-
-
-def proc_info(pid: int) -> dict | None:
-    """{create_time, zombie} of a pid, or None if it does not exist."""
-    try:
-        import psutil  # exact same number the trainer recorded
-
-        try:
-            p = psutil.Process(pid)
-            return {"create_time": p.create_time(), "zombie": p.status() == psutil.STATUS_ZOMBIE}
-        except psutil.NoSuchProcess:
-            return None
-        except psutil.AccessDenied:
-            pass
-    except ImportError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    rest = stat[stat.rindex(")") + 2:].split()
-    state, start_ticks = rest[0], int(rest[19])
-    return {"create_time": _boot_time() + start_ticks / os.sysconf("SC_CLK_TCK"), "zombie": state in ("Z", "X")}
-
-
-def liveness(record: dict | None) -> tuple[bool, str]:
-    if not record:
-        return False, "no run.json"
-    if "corrupt" in record:
-        return False, f"run.json is corrupt ({record['corrupt']})"
-    host = record.get("hostname")
-    if host and host != socket.gethostname():
-        return False, (f"run.json was written on host {host!r} but this is {socket.gethostname()!r}: "
-                       "reach the job's own host with --via")
-    pid = record.get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False, "run.json has no valid pid"
-    info = proc_info(pid)
-    if info is None:
-        return False, f"pid {pid} has exited"
-    if info["zombie"]:
-        return False, f"pid {pid} has exited (zombie, not yet reaped)"
-    rec_ct = record.get("create_time")
-    if not isinstance(rec_ct, (int, float)) or abs(info["create_time"] - float(rec_ct)) > START_TIME_TOLERANCE_S:
-        return False, (f"pid {pid} was reused by another process (started at {info['create_time']:.2f}, "
-                       f"the trainer at {rec_ct})")
-    return True, f"pid {pid} verified (start time matches)"
-
-
-def pid_alive(pid: int) -> bool:
-    info = proc_info(pid)
-    return info is not None and not info["zombie"]
 
 
 def job_process(pid: int) -> dict:
@@ -218,92 +134,14 @@ def keep_env(name: str) -> bool:
 # --------------------------------------------------------------------------- run dir
 
 
-def metrics_tail(run_dir: Path, n: int = 50, max_bytes: int = 1 << 20) -> list[dict]:
-    p = run_dir / "metrics.jsonl"
-    try:
-        with open(p, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            chunk = f.read()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in chunk.splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and not obj.get("eval"):
-            out.append(obj)
-    return out[-n:]
-
-
-def parse_step(name: str) -> int | None:
-    m = re.match(r"^step-(\d+)$", name)
-    return int(m.group(1)) if m else None
-
-
-def list_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    if not ckpt_dir.is_dir():
-        return []
-    out = []
-    for p in ckpt_dir.iterdir():
-        s = parse_step(p.name)
-        if s is not None and p.is_dir() and not p.is_symlink():
-            out.append((s, p))
-    return sorted(out)
-
-
 def latest_checkpoint(run_dir: Path) -> dict | None:
-    ckpt_dir = run_dir / "checkpoints"
-    link = ckpt_dir / "latest"
-    target = None
-    try:
-        t = os.readlink(link)
-        target = (ckpt_dir / t) if not os.path.isabs(t) else Path(t)
-        if not target.is_dir():
-            target = None
-    except OSError:
-        pass
-    if target is None:
-        cks = list_checkpoints(ckpt_dir)
-        if not cks:
-            return None
-        target = cks[-1][1]
-    return {"step": parse_step(target.name), "path": str(target.resolve())}
+    p = rundir.latest_checkpoint(run_dir)
+    return None if p is None else {"step": rundir.parse_step(p.name), "path": str(p.resolve())}
 
 
-def verify_checkpoint(path: Path, check_hashes: bool = True) -> list[str]:
-    """Same rules as dflash_train.checkpoint.verify_checkpoint (manifest, files, sizes, sha256)."""
-    mf = path / "manifest.json"
-    man = read_json(mf)
-    if man is None:
-        return [f"{mf}: missing"]
-    if not isinstance(man, dict) or "corrupt" in man or not isinstance(man.get("files"), dict):
-        return [f"{mf}: not a valid manifest"]
-    problems = []
-    if parse_step(path.name) is not None and man.get("step") != parse_step(path.name):
-        problems.append(f"{mf}: step {man.get('step')} does not match {path.name}")
-    for req in ("model.safetensors", "state.pt"):
-        if req not in man["files"]:
-            problems.append(f"{mf}: does not list {req}")
-    for name, info in man["files"].items():
-        fp = path / name
-        if not fp.is_file():
-            problems.append(f"{fp}: missing")
-            continue
-        if fp.stat().st_size != info.get("size"):
-            problems.append(f"{fp}: size differs from the manifest")
-            continue
-        if check_hashes:
-            h = hashlib.sha256()
-            with open(fp, "rb") as f:
-                for chunk in iter(lambda: f.read(8 << 20), b""):
-                    h.update(chunk)
-            if h.hexdigest() != info.get("sha256"):
-                problems.append(f"{fp}: sha256 differs from the manifest")
-    return problems
+def metrics_tail(run_dir: Path, n: int) -> list[dict]:
+    """The last `n` training lines of metrics.jsonl (eval lines left out)."""
+    return rundir.last_metrics(run_dir, n, evals=False)
 
 
 def releases_state(run_dir: Path) -> dict:
@@ -319,7 +157,7 @@ def releases_state(run_dir: Path) -> dict:
             if p.is_dir() and not p.is_symlink() and (p / RELEASE_FILE).exists():
                 out["list"].append(p.name)
     if out["current"]:
-        out["current_release"] = read_json(rel / out["current"] / RELEASE_FILE)
+        out["current_release"] = rundir.read_json(rel / out["current"] / RELEASE_FILE)
     return out
 
 
@@ -331,7 +169,7 @@ def op_info(a) -> dict:
     if not run_dir.is_dir():
         return {"ok": False, "error": f"run dir {run_dir} does not exist on {socket.gethostname()}"}
     run_dir = run_dir.resolve()
-    record = read_json(run_dir / "run.json")
+    record = rundir.read_record(run_dir)
     live, why = liveness(record)
     out = {
         "ok": True,
@@ -359,10 +197,10 @@ def op_lock(a) -> dict:
         try:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            held = read_json(lock) or {}
+            held = rundir.read_json(lock) or {}
             stale = False
             if held.get("hostname") == owner.get("hostname") and isinstance(held.get("pid"), int):
-                stale = not pid_alive(held["pid"])
+                stale = not rundir.pid_alive(held["pid"])
             elif time.time() - float(held.get("time", 0) or 0) > 6 * 3600:
                 stale = True
             if stale:
@@ -380,7 +218,7 @@ def op_lock(a) -> dict:
 
 def op_unlock(a) -> dict:
     lock = Path(a.run_dir) / RELEASES / LOCK_FILE
-    held = read_json(lock) or {}
+    held = rundir.read_json(lock) or {}
     owner = json.loads(a.owner)
     if held and (held.get("hostname"), held.get("pid")) != (owner.get("hostname"), owner.get("pid")):
         return {"ok": False, "error": "lock is held by someone else"}
@@ -411,12 +249,12 @@ def op_record_running(a) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(pkg, tmp / "src" / "dflash_train", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     meta = json.loads(a.meta)
-    meta.update({"id": a.id, "created_at": now_iso(), "snapshot_of": str(pkg)})
-    atomic_write(tmp / RELEASE_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    meta.update({"id": a.id, "created_at": rundir.now_iso(), "snapshot_of": str(pkg)})
+    rundir.atomic_write_text(tmp / RELEASE_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
     if dest.exists():
         shutil.rmtree(dest)
     os.rename(tmp, dest)
-    fsync_dir(dest.parent)
+    rundir.fsync_dir(dest.parent)
     return {"ok": True, "path": str(dest), "package": str(pkg)}
 
 
@@ -425,20 +263,9 @@ def op_write_release(a) -> dict:
     if not (dest / "src" / "dflash_train").is_dir():
         return {"ok": False, "error": f"{dest}/src/dflash_train missing after the copy"}
     meta = json.loads(a.meta)
-    meta.update({"id": a.id, "created_at": now_iso()})
-    atomic_write(dest / RELEASE_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    meta.update({"id": a.id, "created_at": rundir.now_iso()})
+    rundir.atomic_write_text(dest / RELEASE_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return {"ok": True, "path": str(dest)}
-
-
-def set_link(directory: Path, name: str, target: str) -> None:
-    tmp = directory / f".tmp-link-{name}-{os.getpid()}"
-    try:
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
-    os.symlink(target, tmp)
-    os.replace(tmp, directory / name)
-    fsync_dir(directory)
 
 
 def op_switch(a) -> dict:
@@ -449,29 +276,29 @@ def op_switch(a) -> dict:
         old = os.readlink(rel / CURRENT)
     except OSError:
         old = None
-    set_link(rel, CURRENT, a.id)
+    rundir.set_link(rel, CURRENT, a.id)
     if old and old != a.id:
-        set_link(rel, PREVIOUS, old)
+        rundir.set_link(rel, PREVIOUS, old)
     return {"ok": True, "current": a.id, "was": old}
 
 
 def op_stop(a) -> dict:
     run_dir = Path(a.run_dir)
-    record = read_json(run_dir / "run.json")
+    record = rundir.read_record(run_dir)
     if a.create_time is not None and a.pid and (record or {}).get("pid") != a.pid:
         # a process we started that has not (yet) taken run.json: verify it by
         # the start time we saw right after starting it
-        info = proc_info(a.pid)
+        info = rundir.proc_info(a.pid)
         if info is None or info["zombie"]:
             return {"ok": True, "stopped": True, "pid": a.pid, "already_exited": True, "problems": []}
-        if abs(info["create_time"] - a.create_time) > START_TIME_TOLERANCE_S:
+        if abs(info["create_time"] - a.create_time) > rundir.START_TIME_TOLERANCE_S:
             return {"ok": False, "stopped": False, "refused": True,
                     "error": f"pid {a.pid} was reused by another process: not stopping it"}
         record = {"pid": a.pid, "create_time": info["create_time"]}
     else:
         live, why = liveness(record)
         if not live:
-            if a.pid and (record or {}).get("pid") == a.pid and not pid_alive(a.pid):
+            if a.pid and (record or {}).get("pid") == a.pid and not rundir.pid_alive(a.pid):
                 return {"ok": True, "stopped": True, "pid": a.pid, "already_exited": True, "problems": []}
             return {"ok": False, "stopped": False, "error": f"not stopping: {why}", "refused": True}
     pid = record["pid"]
@@ -481,7 +308,7 @@ def op_stop(a) -> dict:
     t0 = time.monotonic()
     os.kill(pid, signal.SIGTERM if a.signal == "TERM" else signal.SIGINT)
     killed = False
-    while pid_alive(pid):
+    while rundir.pid_alive(pid):
         if time.monotonic() - t0 > a.timeout:
             if not a.force:
                 return {"ok": False, "stopped": False, "pid": pid,
@@ -489,12 +316,12 @@ def op_stop(a) -> dict:
             os.kill(pid, signal.SIGKILL)
             killed = True
             end = time.monotonic() + 30
-            while pid_alive(pid) and time.monotonic() < end:
+            while rundir.pid_alive(pid) and time.monotonic() < end:
                 time.sleep(0.05)
             break
         time.sleep(0.05)
     seconds = time.monotonic() - t0
-    after = read_json(run_dir / "run.json") or {}
+    after = rundir.read_record(run_dir) or {}
     step = after.get("step")
     ck = latest_checkpoint(run_dir)
     out = {"ok": True, "stopped": True, "pid": pid, "killed": killed, "seconds": round(seconds, 3),
@@ -509,7 +336,7 @@ def op_stop(a) -> dict:
     elif isinstance(step, int) and ck["step"] != step:
         problems.append(f"latest checkpoint is step {ck['step']} but the run stopped at step {step}")
     elif ck is not None:
-        problems += verify_checkpoint(Path(ck["path"]))
+        problems += rundir.verify_checkpoint(Path(ck["path"]))
     out["problems"] = problems
     out["ok"] = not problems
     return out
@@ -520,7 +347,12 @@ def op_remove_release(a) -> dict:
     st = releases_state(Path(a.run_dir))
     if a.id in (st.get("current"), st.get("previous")) or "/" in a.id or a.id.startswith("."):
         return {"ok": False, "error": f"refusing to remove release {a.id} (current/previous or bad id)"}
-    shutil.rmtree(rel / a.id, ignore_errors=True)
+    try:
+        shutil.rmtree(rel / a.id)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return {"ok": False, "error": f"cannot remove {rel / a.id}: {e}"}
     return {"ok": True}
 
 
@@ -528,7 +360,7 @@ def op_history(a) -> dict:
     """Append one line (the deploy's summary) to releases/history.jsonl."""
     rel = Path(a.run_dir) / RELEASES
     rel.mkdir(parents=True, exist_ok=True)
-    line = json.dumps(dict(json.loads(a.entry), at=now_iso()), default=str)
+    line = json.dumps(dict(json.loads(a.entry), at=rundir.now_iso()), default=str)
     with open(rel / "history.jsonl", "a") as f:
         f.write(line + "\n")
         f.flush()
@@ -547,20 +379,29 @@ def op_prune(a) -> dict:
     rel = Path(a.run_dir) / RELEASES
     st = releases_state(Path(a.run_dir))
     protected = {st.get("current"), st.get("previous"), "initial"}
-    removed = []
+    removed, failed = [], []
+
+    def remove(path: Path, label: str) -> None:
+        try:
+            shutil.rmtree(path)
+            removed.append(label)
+        except OSError as e:
+            failed.append(f"{label}: {e}")
+
     for name in st["list"]:
         if name in (st.get("current"), a.spare):
             continue
         for sub in ("stop-checkpoint", "abandoned-checkpoints"):
             if (rel / name / sub).exists():
-                shutil.rmtree(rel / name / sub, ignore_errors=True)
-                removed.append(f"{name}/{sub}")
+                remove(rel / name / sub, f"{name}/{sub}")
     by_age = sorted(st["list"], key=lambda n: (rel / n / RELEASE_FILE).stat().st_mtime)
     for name in by_age[: max(0, len(by_age) - a.keep)]:
         if name not in protected and name != a.spare:
-            shutil.rmtree(rel / name, ignore_errors=True)
-            removed.append(name)
-    return {"ok": True, "removed": removed}
+            remove(rel / name, name)
+    out = {"ok": not failed, "removed": removed}
+    if failed:
+        out["error"] = "could not remove " + "; ".join(failed)
+    return out
 
 
 def op_preserve(a) -> dict:
@@ -583,7 +424,7 @@ def op_restore_timeline(a) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     moved = []
     aside = run_dir / RELEASES / a.id / "abandoned-checkpoints"
-    for s, p in list_checkpoints(ckpt_dir):
+    for s, p in rundir.list_checkpoints(ckpt_dir):
         if s > a.step:
             aside.mkdir(parents=True, exist_ok=True)
             os.rename(p, aside / p.name)
@@ -602,11 +443,11 @@ def op_restore_timeline(a) -> dict:
                 os.link(f, tmp / f.name)
             except OSError:
                 shutil.copy2(f, tmp / f.name)
-        fsync_dir(tmp)
+        rundir.fsync_dir(tmp)
         os.rename(tmp, target)
         restored = True
-    set_link(ckpt_dir, "latest", target.name)
-    problems = verify_checkpoint(target)
+    rundir.set_link(ckpt_dir, "latest", target.name)
+    problems = rundir.verify_checkpoint(target)
     return {"ok": not problems, "moved": moved, "restored": restored, "path": str(target), "problems": problems}
 
 
@@ -652,9 +493,9 @@ def op_health(a) -> dict:
     last_step = None
     verdict = None
     while True:
-        record = read_json(run_dir / "run.json") or {}
+        record = rundir.read_record(run_dir) or {}
         ours = record.get("pid") == a.pid
-        alive = pid_alive(a.pid)
+        alive = rundir.pid_alive(a.pid)
         if ours:
             live, why = liveness(record)
             seen_live = seen_live or live
@@ -688,7 +529,7 @@ def op_health(a) -> dict:
         time.sleep(a.poll)
     ok, msg = verdict
     out = {"ok": ok, "message": msg, "seconds": round(time.monotonic() - t0, 3), "step": last_step,
-           "resumed_step": resumed, "alive": pid_alive(a.pid),
+           "resumed_step": resumed, "alive": rundir.pid_alive(a.pid),
            "metrics": [m for m in metrics_tail(run_dir, 200) if isinstance(m.get("step"), int) and m["step"] > a.from_step][-5:]}
     if not ok:
         out["log_tail"] = _log_tail(logs)
@@ -741,7 +582,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("proc")
     p.add_argument("--pid", type=int, required=True)
     p.add_argument("--run-dir", default=None)
-    p.set_defaults(fn=lambda a: {"ok": True, "pid": a.pid, "proc": proc_info(a.pid)})
+    p.set_defaults(fn=lambda a: {"ok": True, "pid": a.pid, "proc": rundir.proc_info(a.pid)})
     add("remove-release", op_remove_release, ("--id", {"required": True}))
     add("preserve", op_preserve, ("--id", {"required": True}), ("--step", {"type": int, "required": True}))
     add("restore-timeline", op_restore_timeline, ("--id", {"required": True}), ("--step", {"type": int, "required": True}))

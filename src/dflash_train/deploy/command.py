@@ -55,8 +55,27 @@ from dflash_train.deploy.remote import parse_json_output
 from dflash_train.deploy.transport import Transport, TransportError
 
 HERE = Path(__file__).resolve().parent
-AGENT_SRC = (HERE / "agent.py").read_text()
-PREFLIGHT_SRC = (HERE / "preflight.py").read_text()
+SHIPPED_RUNDIR = "dflash_train_shipped_rundir"
+
+
+def shipped_script(path: Path) -> str:
+    """A script for ``python -`` on the far end: it installs this package's rundir.py (the
+    run-directory protocol, standard library only) as the module SHIPPED_RUNDIR, then runs
+    `path` as __main__. The far end's own dflash_train (another version, or the code under
+    test) is never what decides "live" or "valid"."""
+    rundir_py = HERE.parent / "rundir.py"
+    return (
+        "import sys, types\n"
+        f"_m = types.ModuleType({SHIPPED_RUNDIR!r})\n"
+        f"_m.__file__ = {str(rundir_py)!r}\n"
+        f"sys.modules[{SHIPPED_RUNDIR!r}] = _m\n"
+        f"exec(compile({rundir_py.read_text()!r}, {str(rundir_py)!r}, 'exec'), _m.__dict__)\n"
+        f"exec(compile({Path(path).read_text()!r}, {str(path)!r}, 'exec'), {{'__name__': '__main__'}})\n"
+    )
+
+
+AGENT_SRC = shipped_script(HERE / "agent.py")
+PREFLIGHT_SRC = shipped_script(HERE / "preflight.py")
 CODE_EXCLUDES = ("__pycache__", "*.pyc", "*.pyo")
 KEEP_RELEASES = int(os.environ.get("DFLASH_DEPLOY_KEEP_RELEASES", "10"))
 
@@ -98,6 +117,22 @@ class Deployer:
 
     def line(self, phase: str, msg: str) -> None:
         print(f"[{_ts()}] {phase}: {msg}", file=self.out, flush=True)
+
+    def cleanup(self, op: str, consequence: str, **kw: Any) -> dict | None:
+        """An agent op after the outcome is decided (history, prune, unlock, removing a
+        release): a failure does not change the result, but it is said, with what it leaves
+        behind, on the output and in the report's ``warnings``."""
+        try:
+            res = self.agent(op, **kw)
+            err = None if res.get("ok") else res.get("error", "failed")
+        except DeployError as e:
+            res, err = None, str(e)
+        if err is not None:
+            msg = f"{op} failed: {err}; {consequence}"
+            self.report.setdefault("warnings", []).append(msg)
+            self.line("warning", msg)
+            return None
+        return res
 
     def phase(self, name: str, ok: bool, detail: str, t0: float, **extra: Any) -> None:
         sec = round(time.monotonic() - t0, 3)
@@ -153,22 +188,15 @@ class Deployer:
                 entry = {k: self.report.get(k) for k in ("result", "release", "previous", "message", "pid")}
                 entry["phases"] = {p["name"]: p["seconds"] for p in self.report["phases"]}
                 entry["code"] = self.code
-                try:
-                    self.agent("history", entry=entry)
-                except DeployError:
-                    pass
+                self.cleanup("history", "this deploy is missing from releases/history.jsonl", entry=entry)
             if self.locked and self.report.get("result") in ("deployed", "rolled_back"):
-                try:
-                    pr = self.agent("prune", keep=KEEP_RELEASES, spare=self.report.get("release"))
-                    if pr.get("removed"):
-                        self.line("prune", f"removed {', '.join(pr['removed'])}")
-                except DeployError:
-                    pass
+                pr = self.cleanup("prune", f"old releases under {self.run_dir}/releases were not all removed",
+                                  keep=KEEP_RELEASES, spare=self.report.get("release"))
+                if pr and pr.get("removed"):
+                    self.line("prune", f"removed {', '.join(pr['removed'])}")
             if self.locked:
-                try:
-                    self.agent("unlock", owner=self.owner)
-                except DeployError:
-                    pass
+                self.cleanup("unlock", f"{self.run_dir}/releases/.deploy.lock is still held: other deploys of this "
+                                       "run dir are refused until it is removed by hand (or 6 h pass)", owner=self.owner)
         self.report["exit_code"] = rc
         self.report["seconds"] = round(time.monotonic() - self._t0, 3)
         if self.as_json:
@@ -391,10 +419,8 @@ class Deployer:
         return res
 
     def _drop_release(self) -> None:
-        try:
-            self.agent("remove-release", id=self.release_id)
-        except DeployError:
-            pass
+        self.cleanup("remove-release", f"{self.run_dir}/releases/{self.release_id} is left on disk (remove it by hand)",
+                     id=self.release_id)
 
     def _ensure_running_release(self) -> str:
         """Id of the release the running job runs; recorded (snapshot) if unknown."""

@@ -40,6 +40,11 @@ import time
 import traceback
 from pathlib import Path
 
+try:  # installed by deploy's bootstrap (deploy/command.py: shipped_script)
+    rundir = sys.modules["dflash_train_shipped_rundir"]
+except KeyError:  # imported from the package
+    from dflash_train import rundir
+
 
 class Verdict:
     def __init__(self) -> None:
@@ -208,20 +213,6 @@ def check_features(v: Verdict, cfg) -> bool:
     return v.add("features", True, ", ".join(notes))
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpt_dir = run_dir / "checkpoints"
-    link = ckpt_dir / "latest"
-    try:
-        t = os.readlink(link)
-        p = (ckpt_dir / t) if not os.path.isabs(t) else Path(t)
-        if p.is_dir():
-            return p
-    except OSError:
-        pass
-    steps = sorted(p for p in ckpt_dir.glob("step-*") if p.is_dir()) if ckpt_dir.is_dir() else []
-    return steps[-1] if steps else None
-
-
 def snapshot_checkpoint(run_dir: Path, explicit: str | None, scratch: Path, tries: int = 8):
     """(name, snapshot dir) of the latest (or given) checkpoint, hard-linked into
     `scratch` so that the running job's checkpoint retention cannot delete it
@@ -231,7 +222,7 @@ def snapshot_checkpoint(run_dir: Path, explicit: str | None, scratch: Path, trie
 
     last_err = None
     for _ in range(tries):
-        ckpt = Path(explicit) if explicit else latest_checkpoint(run_dir)
+        ckpt = Path(explicit) if explicit else rundir.latest_checkpoint(run_dir)
         if ckpt is None:
             return None
         shutil.rmtree(scratch, ignore_errors=True)
@@ -270,8 +261,8 @@ def check_checkpoint(v: Verdict, run_dir: Path, explicit: str | None, scratch: P
 
 def _check_checkpoint(v: Verdict, name: str, ckpt: Path) -> bool:
     try:
-        man = json.loads((ckpt / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
+        man = rundir.read_manifest(ckpt)
+    except rundir.CheckpointError as e:
         return v.add("checkpoint", False, f"{name}/manifest.json unreadable: {e}")
     dcfg_dict = (man.get("meta") or {}).get("drafter_config")
     if not isinstance(dcfg_dict, dict):

@@ -14,7 +14,6 @@ is incomplete.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -26,7 +25,8 @@ from safetensors import safe_open
 
 from dflash_train.errors import UserError
 from dflash_train.pipeline.batch import TrainBatch
-from dflash_train.utils import atomic_write_json, save_safetensors
+from dflash_train.rundir import atomic_write_json, sha256_file
+from dflash_train.utils import save_safetensors
 
 log = logging.getLogger("dflash_train")
 FORMAT = 1
@@ -35,14 +35,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 class PrecomputeError(UserError):
     pass
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard: int = 256,
@@ -77,7 +69,7 @@ def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard:
         save_safetensors({"input_ids": ids.contiguous(), "loss_mask": mask.to(torch.uint8).contiguous(),
                           "document_ids": docs.to(torch.int32).contiguous(),
                           "features": torch.cat(feats).contiguous()}, out / name)
-        shards.append({"file": name, "start": start, "rows": stop - start, "sha256": _sha256(out / name)})
+        shards.append({"file": name, "start": start, "rows": stop - start, "sha256": sha256_file(out / name)})
     index = {
         "format": FORMAT,
         "target": cfg.target.path,
@@ -129,7 +121,7 @@ class PrecomputedFeatures:
             f = self.path / sh["file"]
             if not f.is_file():
                 raise PrecomputeError(f"{f}: shard missing")
-            if verify and _sha256(f) != sh["sha256"]:
+            if verify and sha256_file(f) != sh["sha256"]:
                 raise PrecomputeError(f"{f}: checksum mismatch (corrupt or modified shard)")
             with safe_open(str(f), framework="pt") as st:
                 for k in parts:

@@ -57,7 +57,7 @@ def truncate_metrics(path: Path, last_step: int) -> int:
             keep.append(line)
         else:
             dropped += 1
-    from dflash_train.utils import atomic_write_text
+    from dflash_train.rundir import atomic_write_text
 
     atomic_write_text(path, "".join(l + "\n" for l in keep))
     return dropped

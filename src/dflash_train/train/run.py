@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dflash_train.config import RunConfig, save_config
+from dflash_train.rundir import RunDirBusy, RunRecord, check_not_busy
 from dflash_train.utils import code_version, resolve_device
 
 log = logging.getLogger("dflash_train")
@@ -169,15 +170,10 @@ class Trainer:
 
     def _check_not_busy(self) -> None:
         """Read-only: refuse a run dir a live trainer holds before looking at anything else."""
-        from dflash_train.control.run_record import liveness, read_record
-
-        old = read_record(self.run_dir)
-        if old and old.get("pid") != os.getpid():
-            live, why = liveness(old)
-            if live:
-                raise TrainError(
-                    f"run dir {self.run_dir} is in use by a live trainer: pid {old.get('pid')} on host "
-                    f"{old.get('hostname')} ({why}); stop it first: dflash-train stop {self.run_dir}")
+        try:
+            check_not_busy(self.run_dir)
+        except RunDirBusy as e:
+            raise TrainError(str(e)) from None
 
     def _preflight(self) -> None:
         """Everything that can be checked before loading data or the target, and that
@@ -272,8 +268,6 @@ class Trainer:
         return None
 
     def _setup_run_dir(self) -> None:
-        from dflash_train.control.run_record import RunDirBusy, RunRecord
-
         self.record = None
         if self.is_leader:
             self.record = RunRecord(self.run_dir)

@@ -10,7 +10,7 @@ import textwrap
 import psutil
 import pytest
 
-from dflash_train.control.run_record import (
+from dflash_train.rundir import (
     RunDirBusy,
     RunRecord,
     is_live,
@@ -25,7 +25,7 @@ PY = sys.executable
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from dflash_train.control.run_record import RunRecord
+    from dflash_train.rundir import RunRecord
     RunRecord(sys.argv[1]).acquire(["holder"], "cv-holder", "h")
     print("HELD", flush=True)
     sys.stdin.read()   # hold until the test closes stdin
@@ -63,6 +63,12 @@ def test_busy_refusal_names_pid(tmp_path):
         with pytest.raises(RunDirBusy, match=rf"pid {p.pid}"):
             RunRecord(tmp_path).acquire(["second"], "cv")
         assert read_record(tmp_path)["pid"] == p.pid  # untouched
+        # run.json not (yet) naming the holder, as in two starts at the same moment: the flock refuses
+        saved = (tmp_path / "run.json").read_text()
+        (tmp_path / "run.json").write_text(json.dumps({"pid": 999999999, "create_time": 1.0, "live": True}))
+        with pytest.raises(RunDirBusy, match="locked by another process"):
+            RunRecord(tmp_path).acquire(["racer"], "cv")
+        (tmp_path / "run.json").write_text(saved)
     finally:
         p.stdin.close()
         p.wait(timeout=30)
