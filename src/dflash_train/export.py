@@ -14,29 +14,28 @@ see /work/shared/dflash-method.md "Export":
   (``layers.{i}....``, ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``):
   no ``model.`` prefix, no embed_tokens, no lm_head.
 
-Sources: a checkpoint dir (``step-NNNNNNNN`` with manifest.json whose meta
-holds ``drafter_config``), a run dir (its ``checkpoints/latest``), or an
-existing export dir (``load_export``; used by ``dflash-train eval``).
+Here: the format both ways (``write_export`` into a directory ``check_out_dir``
+allows, ``load_export``), and `export_checkpoint`, which joins the pieces: the
+drafter of a run or checkpoint (checkpoint/source.py), the run summary and model
+card README.md (report.py), the files. `resolve_drafter_source` reads an export
+dir or a checkpoint (what `eval` takes).
 """
 from __future__ import annotations
 
 import json
-import math
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_train.rundir import read_metrics
+from dflash_train.checkpoint.source import DrafterSource, clean_state_dict, resolve_checkpoint_source
+from dflash_train.report import model_card, run_summary
+from dflash_train.rundir import MANIFEST_FILE
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 README_FILE = "README.md"
-
-# tensors the drafter never owns (the target's); dropped from checkpoints defensively
-_FOREIGN = ("embed_tokens", "lm_head")
 
 
 def _err(msg: str) -> Exception:
@@ -150,35 +149,18 @@ def drafter_config_from_hf(d: dict[str, Any], where: str = CONFIG_FILE):
         raise _err(f"{where}: invalid DFlash drafter config: {e}") from None
 
 
-# --------------------------------------------------------------------------- sources
-
-
-@dataclass
-class DrafterSource:
-    """A drafter found on disk: its config, weights and where it came from."""
-
-    kind: str  # "checkpoint" | "export"
-    path: Path  # the checkpoint dir or export dir actually read
-    config: Any  # DrafterConfig
-    state_dict: dict[str, torch.Tensor]
-    run_dir: Path | None = None
-    step: int | None = None
-    target_path: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
 def is_export_dir(path: Path) -> bool:
     path = Path(path)
-    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file() and not (path / "manifest.json").exists()
+    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file() and not (path / MANIFEST_FILE).exists()
 
 
 def load_export(path: str | Path):
     """(DrafterConfig, state_dict) of an export dir (config.json + model.safetensors)."""
-    src = _load_export_source(Path(path))
+    src = load_export_source(Path(path))
     return src.config, src.state_dict
 
 
-def _load_export_source(path: Path) -> DrafterSource:
+def load_export_source(path: Path) -> DrafterSource:
     from safetensors.torch import load_file
 
     cfg_file = path / CONFIG_FILE
@@ -200,227 +182,25 @@ def _load_export_source(path: Path) -> DrafterSource:
         raise _err(f"{wf}: cannot load: {e}") from None
     prov = d.get("dflash_train") or {}
     return DrafterSource(
-        kind="export", path=path, config=cfg, state_dict=_clean_state_dict(sd), step=prov.get("step"),
+        kind="export", path=path, config=cfg, state_dict=clean_state_dict(sd), step=prov.get("step"),
         target_path=prov.get("target_path"), meta=prov,
     )
 
 
-def _clean_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in sd.items():
-        if k.startswith("model."):
-            k = k[len("model."):]
-        if any(f in k for f in _FOREIGN):
-            continue
-        out[k] = v
-    return out
-
-
-def _run_dir_of(ckpt: Path) -> Path | None:
-    """RUN_DIR for RUN_DIR/checkpoints/step-N (None if the layout differs)."""
-    ckpt = Path(ckpt).resolve()
-    if ckpt.parent.name == "checkpoints":
-        return ckpt.parent.parent
-    return None
-
-
-def _target_path_from_run(run_dir: Path | None) -> str | None:
-    if run_dir is None or not (run_dir / "config.yaml").is_file():
-        return None
-    try:
-        import yaml
-
-        data = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        return (data.get("target") or {}).get("path")
-    except Exception:  # noqa: BLE001 - provenance only
-        return None
-
-
-def _load_checkpoint_source(ckpt: Path) -> DrafterSource:
-    from safetensors.torch import load_file
-
-    from dflash_train.rundir import MODEL_FILE, CheckpointError, read_manifest, verify_checkpoint
-
-    try:
-        problems = verify_checkpoint(ckpt, check_hashes=True)
-        if problems:
-            raise _err(f"checkpoint {ckpt} failed verification: " + "; ".join(problems[:3]))
-        man = read_manifest(ckpt)
-    except CheckpointError as e:
-        raise _err(str(e)) from None
-    meta = man.get("meta") or {}
-    dc = meta.get("drafter_config")
-    if not isinstance(dc, dict):
-        raise _err(f"{ckpt / 'manifest.json'}: meta has no drafter_config; cannot rebuild the drafter")
-    from dflash_train.model.drafter import DrafterConfig
-
-    try:
-        cfg = DrafterConfig.from_dict(dc)
-    except (TypeError, ValueError) as e:
-        raise _err(f"{ckpt / 'manifest.json'}: invalid drafter_config: {e}") from None
-    try:
-        sd = load_file(str(ckpt / MODEL_FILE))
-    except Exception as e:  # noqa: BLE001
-        raise _err(f"{ckpt / MODEL_FILE}: cannot load: {e}") from None
-    run_dir = _run_dir_of(ckpt)
-    target = meta.get("target_path") or _target_path_from_run(run_dir)
-    step = man.get("step", meta.get("step"))
-    return DrafterSource(
-        kind="checkpoint", path=ckpt, config=cfg, state_dict=_clean_state_dict(sd), run_dir=run_dir,
-        step=step, target_path=target, meta=meta,
-    )
-
-
 def resolve_drafter_source(path: str | Path, prefer_best: bool = False) -> DrafterSource:
-    """RUN_DIR (checkpoints/latest, or `best` with prefer_best), a checkpoint dir, or an export dir.
-
-    `path` may also be RUN_DIR/checkpoints or name ``RUN_DIR/best`` / ``RUN_DIR/latest``.
-    Raises the CLI's UserError (one clear line) for anything else.
-    """
-    from dflash_train.rundir import BEST, LATEST, MANIFEST_FILE, find_resumable, read_link
-
+    """An export dir, or what `checkpoint.source.resolve_checkpoint_source` finds: RUN_DIR
+    (checkpoints/latest, or `best` with prefer_best), a checkpoint dir, RUN_DIR/checkpoints,
+    ``RUN_DIR/best`` / ``RUN_DIR/latest``. Raises the CLI's UserError (one clear line) otherwise."""
     p = Path(path)
-    if not p.exists():
-        # RUN_DIR/best or RUN_DIR/latest shorthand
-        if p.name in (BEST, LATEST) and (p.parent / "checkpoints").is_dir():
-            t = read_link(p.parent / "checkpoints", p.name)
-            if t is None:
-                raise _err(f"{p.parent / 'checkpoints' / p.name}: no such checkpoint link")
-            return _load_checkpoint_source(t)
-        raise _err(f"drafter path not found: {p}")
-    if not p.is_dir():
-        raise _err(f"drafter path is not a directory: {p} (give a RUN_DIR, checkpoint dir or export dir)")
-    if (p / MANIFEST_FILE).is_file():
-        return _load_checkpoint_source(p)
-    if (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file():
-        return _load_export_source(p)
-    for base in (p / "checkpoints", p):
-        if not base.is_dir():
-            continue
-        names = (BEST, LATEST) if prefer_best else (LATEST,)
-        for name in names:
-            t = read_link(base, name)
-            if t is not None:
-                return _load_checkpoint_source(t)
-        found = find_resumable(base, log=lambda m: None) if any(base.glob("step-*")) else None
-        if found is not None:
-            return _load_checkpoint_source(found)
-    raise _err(
-        f"{p}: not a run dir (no checkpoints/latest), checkpoint dir (no manifest.json) "
-        f"or export dir (no config.json + model.safetensors)"
-    )
-
-
-# --------------------------------------------------------------------------- run summary / README
-
-
-def run_summary(run_dir: Path | None, step: int | None, meta: dict[str, Any]) -> dict[str, Any]:
-    """steps, tokens, final loss, measured tau (if any) from RUN_DIR/summary.json and metrics.jsonl."""
-    s: dict[str, Any] = {"step": step, "tokens": meta.get("tokens")}
-    if run_dir is None:
-        return s
-    summ = {}
-    sf = run_dir / "summary.json"
-    if sf.is_file():
-        try:
-            summ = json.loads(sf.read_text())
-        except ValueError:
-            summ = {}
-    recs = read_metrics(run_dir)
-    if step is not None:
-        recs = [r for r in recs if not isinstance(r.get("step"), (int, float)) or r["step"] <= step]
-    train = [r for r in recs if not r.get("eval") and "loss" in r]
-    evals = [r for r in recs if r.get("eval") and "tau" in r]
-    if train:
-        last = train[-1]
-        s["final_loss"] = last.get("loss_mean", last.get("loss"))
-        s["tokens"] = s.get("tokens") or last.get("tokens")
-        if "acc_1" in last:
-            s["acc_1"] = last["acc_1"]
-    if evals:
-        s["tau"] = evals[-1]["tau"]
-        s["tau_step"] = evals[-1].get("step")
-        s["best_tau"] = max(r["tau"] for r in evals if isinstance(r["tau"], (int, float)))
-    if isinstance(summ, dict):
-        # the demo's summary.json names the trained drafter's tau "tau_trained"
-        if summ.get("tau_trained") is not None:
-            s["tau"] = summ["tau_trained"]
-            s.pop("tau_step", None)
-        for k in ("tau", "tau_untrained", "final_loss", "tokens", "steps", "speedup"):
-            if summ.get(k) is not None and s.get(k) is None:
-                s[k] = summ[k]
-    return s
-
-
-def _fmt(v: Any, spec: str = "") -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    try:
-        return format(v, spec) if spec else str(v)
-    except (TypeError, ValueError):
-        return str(v)
-
-
-def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str) -> str:
-    bs = int(cfg.block_size)
-    tgt = target_path or "<the target model>"
-    lines = [
-        f"# {name}",
-        "",
-        "A DFlash block-diffusion drafter for speculative decoding, trained with dflash-train.",
-        "",
-        "## Drafter",
-        "",
-        f"- target: `{tgt}` ({cfg.num_target_layers} layers; context features from layers {list(cfg.target_layer_ids)})",
-        f"- {cfg.num_layers} Qwen3-layout layer(s), hidden {cfg.hidden_size}, {cfg.num_heads} heads / "
-        f"{cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}",
-        f"- block size {bs} (drafts {bs - 1} tokens per step), mask token id {cfg.mask_token_id}, "
-        f"layer types {list(cfg.layer_types)}",
-        "- uses the target's embedding and lm_head (not included here)",
-        "",
-        "## Training summary",
-        "",
-        f"- steps: {_fmt(summary.get('step') or summary.get('steps'))}",
-        f"- tokens trained: {_fmt(summary.get('tokens'))}",
-        f"- final loss: {_fmt(summary.get('final_loss'), '.4f')}",
-        f"- measured acceptance length (tau, real speculative decoding): {_fmt(summary.get('tau'), '.3f')}"
-        + (f" at step {summary['tau_step']}" if summary.get("tau_step") is not None else ""),
-    ]
-    if summary.get("tau_untrained") is not None:
-        lines.append(f"- tau of an untrained drafter of the same shape: {_fmt(summary['tau_untrained'], '.3f')}")
-    lines += [
-        "",
-        "## Serving",
-        "",
-        "SGLang:",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {tgt} \\",
-        "    --speculative-algorithm DFLASH \\",
-        "    --speculative-draft-model-path ./THIS_DIR \\",
-        f"    --speculative-num-draft-tokens {bs}",
-        "```",
-        "",
-        "vLLM:",
-        "",
-        "```bash",
-        f"vllm serve {tgt} \\",
-        "    --speculative-config '{\"method\": \"dflash\", \"model\": \"./THIS_DIR\", "
-        f"\"num_speculative_tokens\": {bs - 1}}}'",
-        "```",
-        "",
-        "Reference implementation (PyPI `dflash`):",
-        "",
-        "```python",
-        "from dflash import DFlashDraftModel",
-        "draft = DFlashDraftModel.from_pretrained('./THIS_DIR')",
-        "out = draft.spec_generate(target_model, input_ids, max_new_tokens=256, stop_token_ids=[eos_id])",
-        "```",
-        "",
-    ]
-    return "\n".join(lines)
+    if p.is_dir() and not (p / MANIFEST_FILE).is_file() and (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file():
+        return load_export_source(p)
+    src = resolve_checkpoint_source(p, prefer_best=prefer_best)
+    if src is None:
+        raise _err(
+            f"{p}: not a run dir (no checkpoints/latest), checkpoint dir (no manifest.json) "
+            f"or export dir (no config.json + model.safetensors)"
+        )
+    return src
 
 
 # --------------------------------------------------------------------------- export
@@ -542,7 +322,7 @@ def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, 
 
     given = Path(out_dir)
     out = check_out_dir(given, force)
-    sd = _clean_state_dict(state_dict)
+    sd = clean_state_dict(state_dict)
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
     _validate_tensors(cfg, tensors)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,16 +4,12 @@ accuracy, tau over steps, stage utilisation; and the side-by-side comparison
 demo also prints at the end."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: files only
-import matplotlib.pyplot as plt  # noqa: E402
-
-from dflash_train import rundir  # noqa: E402
+from dflash_train import rundir
 
 
 EXPLANATION = [
@@ -65,7 +61,18 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
+def _pyplot():
+    """matplotlib, imported when a plot is drawn (export's model card does not need it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: files only
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _save(fig, path: Path) -> str:
+    plt = _pyplot()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -73,6 +80,7 @@ def _save(fig, path: Path) -> str:
 
 
 def plot_all(run_dir: Path, out_dir: Path) -> dict[str, str]:
+    plt = _pyplot()
     train, evals = read_metrics(run_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plots: dict[str, str] = {}
@@ -156,3 +164,116 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     path = run_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+# --------------------------------------------------------------------------- export's model card
+
+
+def _card_num(v: Any, spec: str = "") -> str:
+    """A number for the model card: n/a when missing, inf/nan as they are."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    try:
+        return format(v, spec) if spec else str(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def run_summary(run_dir: Path | None, step: int | None, meta: dict[str, Any]) -> dict[str, Any]:
+    """steps, tokens, final loss, measured tau (if any) from RUN_DIR/summary.json and metrics.jsonl."""
+    s: dict[str, Any] = {"step": step, "tokens": meta.get("tokens")}
+    if run_dir is None:
+        return s
+    summ = {}
+    sf = run_dir / "summary.json"
+    if sf.is_file():
+        try:
+            summ = json.loads(sf.read_text())
+        except ValueError:
+            summ = {}
+    recs = rundir.read_metrics(run_dir)
+    if step is not None:
+        recs = [r for r in recs if not isinstance(r.get("step"), (int, float)) or r["step"] <= step]
+    train = [r for r in recs if not r.get("eval") and "loss" in r]
+    evals = [r for r in recs if r.get("eval") and "tau" in r]
+    if train:
+        last = train[-1]
+        s["final_loss"] = last.get("loss_mean", last.get("loss"))
+        s["tokens"] = s.get("tokens") or last.get("tokens")
+        if "acc_1" in last:
+            s["acc_1"] = last["acc_1"]
+    if evals:
+        s["tau"] = evals[-1]["tau"]
+        s["tau_step"] = evals[-1].get("step")
+        s["best_tau"] = max(r["tau"] for r in evals if isinstance(r["tau"], (int, float)))
+    if isinstance(summ, dict):
+        # the demo's summary.json names the trained drafter's tau "tau_trained"
+        if summ.get("tau_trained") is not None:
+            s["tau"] = summ["tau_trained"]
+            s.pop("tau_step", None)
+        for k in ("tau", "tau_untrained", "final_loss", "tokens", "steps", "speedup"):
+            if summ.get(k) is not None and s.get(k) is None:
+                s[k] = summ[k]
+    return s
+
+
+def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str) -> str:
+    bs = int(cfg.block_size)
+    tgt = target_path or "<the target model>"
+    lines = [
+        f"# {name}",
+        "",
+        "A DFlash block-diffusion drafter for speculative decoding, trained with dflash-train.",
+        "",
+        "## Drafter",
+        "",
+        f"- target: `{tgt}` ({cfg.num_target_layers} layers; context features from layers {list(cfg.target_layer_ids)})",
+        f"- {cfg.num_layers} Qwen3-layout layer(s), hidden {cfg.hidden_size}, {cfg.num_heads} heads / "
+        f"{cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}",
+        f"- block size {bs} (drafts {bs - 1} tokens per step), mask token id {cfg.mask_token_id}, "
+        f"layer types {list(cfg.layer_types)}",
+        "- uses the target's embedding and lm_head (not included here)",
+        "",
+        "## Training summary",
+        "",
+        f"- steps: {_card_num(summary.get('step') or summary.get('steps'))}",
+        f"- tokens trained: {_card_num(summary.get('tokens'))}",
+        f"- final loss: {_card_num(summary.get('final_loss'), '.4f')}",
+        f"- measured acceptance length (tau, real speculative decoding): {_card_num(summary.get('tau'), '.3f')}"
+        + (f" at step {summary['tau_step']}" if summary.get("tau_step") is not None else ""),
+    ]
+    if summary.get("tau_untrained") is not None:
+        lines.append(f"- tau of an untrained drafter of the same shape: {_card_num(summary['tau_untrained'], '.3f')}")
+    lines += [
+        "",
+        "## Serving",
+        "",
+        "SGLang:",
+        "",
+        "```bash",
+        f"python -m sglang.launch_server --model-path {tgt} \\",
+        "    --speculative-algorithm DFLASH \\",
+        "    --speculative-draft-model-path ./THIS_DIR \\",
+        f"    --speculative-num-draft-tokens {bs}",
+        "```",
+        "",
+        "vLLM:",
+        "",
+        "```bash",
+        f"vllm serve {tgt} \\",
+        "    --speculative-config '{\"method\": \"dflash\", \"model\": \"./THIS_DIR\", "
+        f"\"num_speculative_tokens\": {bs - 1}}}'",
+        "```",
+        "",
+        "Reference implementation (PyPI `dflash`):",
+        "",
+        "```python",
+        "from dflash import DFlashDraftModel",
+        "draft = DFlashDraftModel.from_pretrained('./THIS_DIR')",
+        "out = draft.spec_generate(target_model, input_ids, max_new_tokens=256, stop_token_ids=[eos_id])",
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

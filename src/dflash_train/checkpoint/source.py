@@ -1,0 +1,141 @@
+"""The drafter in a checkpoint: a run dir (its ``latest``, or ``best``), a checkpoint
+dir, or the ``RUN_DIR/best`` / ``RUN_DIR/latest`` shorthands, as a `DrafterSource`
+(config, weights, step, target, provenance). Export dirs are read by export.py, whose
+`resolve_drafter_source` accepts both."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.errors import UserError
+from dflash_train.rundir import (
+    BEST,
+    CHECKPOINTS_DIR,
+    LATEST,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    CheckpointError,
+    find_resumable,
+    read_link,
+    read_manifest,
+    verify_checkpoint,
+)
+
+
+# tensors the drafter never owns (the target's); dropped defensively
+_FOREIGN = ("embed_tokens", "lm_head")
+
+
+def clean_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The drafter's own tensors under their plain names (no ``model.`` prefix, no embed_tokens/lm_head)."""
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("model."):
+            k = k[len("model."):]
+        if any(f in k for f in _FOREIGN):
+            continue
+        out[k] = v
+    return out
+
+
+@dataclass
+class DrafterSource:
+    """A drafter found on disk: its config, weights and where it came from."""
+
+    kind: str  # "checkpoint" | "export"
+    path: Path  # the checkpoint dir or export dir actually read
+    config: Any  # DrafterConfig
+    state_dict: dict[str, torch.Tensor]
+    run_dir: Path | None = None
+    step: int | None = None
+    target_path: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _run_dir_of(ckpt: Path) -> Path | None:
+    """RUN_DIR for RUN_DIR/checkpoints/step-N (None if the layout differs)."""
+    ckpt = Path(ckpt).resolve()
+    if ckpt.parent.name == CHECKPOINTS_DIR:
+        return ckpt.parent.parent
+    return None
+
+
+def _target_path_from_run(run_dir: Path | None) -> str | None:
+    if run_dir is None or not (run_dir / "config.yaml").is_file():
+        return None
+    import yaml
+
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        return (data.get("target") or {}).get("path")
+    except (OSError, yaml.YAMLError, AttributeError):  # provenance only: a damaged config.yaml names no target
+        return None
+
+
+def load_checkpoint_source(ckpt: Path) -> DrafterSource:
+    """The drafter of one checkpoint dir, verified (sha256) first."""
+    from safetensors.torch import load_file
+
+    from dflash_train.model.drafter import DrafterConfig
+
+    try:
+        problems = verify_checkpoint(ckpt, check_hashes=True)
+        if problems:
+            raise UserError(f"checkpoint {ckpt} failed verification: " + "; ".join(problems[:3]))
+        man = read_manifest(ckpt)
+    except CheckpointError as e:
+        raise UserError(str(e)) from None
+    meta = man.get("meta") or {}
+    dc = meta.get("drafter_config")
+    if not isinstance(dc, dict):
+        raise UserError(f"{ckpt / MANIFEST_FILE}: meta has no drafter_config; cannot rebuild the drafter")
+    try:
+        cfg = DrafterConfig.from_dict(dc)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{ckpt / MANIFEST_FILE}: invalid drafter_config: {e}") from None
+    try:
+        sd = load_file(str(ckpt / MODEL_FILE))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types: name the file
+        raise UserError(f"{ckpt / MODEL_FILE}: cannot load: {e}") from None
+    run_dir = _run_dir_of(ckpt)
+    target = meta.get("target_path") or _target_path_from_run(run_dir)
+    step = man.get("step", meta.get("step"))
+    return DrafterSource(
+        kind="checkpoint", path=ckpt, config=cfg, state_dict=clean_state_dict(sd), run_dir=run_dir,
+        step=step, target_path=target, meta=meta,
+    )
+
+
+def resolve_checkpoint_source(path: str | Path, prefer_best: bool = False) -> DrafterSource | None:
+    """RUN_DIR (checkpoints/latest, or `best` with prefer_best) or a checkpoint dir; `path` may
+    also be RUN_DIR/checkpoints or name ``RUN_DIR/best`` / ``RUN_DIR/latest``. None when `path`
+    is a directory holding no checkpoint; UserError (one clear line) when it is missing, not a
+    directory, or a checkpoint that does not verify."""
+    p = Path(path)
+    if not p.exists():
+        # RUN_DIR/best or RUN_DIR/latest shorthand
+        if p.name in (BEST, LATEST) and (p.parent / CHECKPOINTS_DIR).is_dir():
+            t = read_link(p.parent / CHECKPOINTS_DIR, p.name)
+            if t is None:
+                raise UserError(f"{p.parent / CHECKPOINTS_DIR / p.name}: no such checkpoint link")
+            return load_checkpoint_source(t)
+        raise UserError(f"drafter path not found: {p}")
+    if not p.is_dir():
+        raise UserError(f"drafter path is not a directory: {p} (give a RUN_DIR, checkpoint dir or export dir)")
+    if (p / MANIFEST_FILE).is_file():
+        return load_checkpoint_source(p)
+    for base in (p / CHECKPOINTS_DIR, p):
+        if not base.is_dir():
+            continue
+        names = (BEST, LATEST) if prefer_best else (LATEST,)
+        for name in names:
+            t = read_link(base, name)
+            if t is not None:
+                return load_checkpoint_source(t)
+        found = find_resumable(base, log=lambda m: None) if any(base.glob("step-*")) else None
+        if found is not None:
+            return load_checkpoint_source(found)
+    return None
