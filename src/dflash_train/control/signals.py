@@ -221,6 +221,21 @@ class StopController:
                 _write_stderr(f"abandon callback failed: {type(e).__name__}: {e}")
         raise AbortRun(name)
 
+    def _send_abort_to_main(self, signum: int) -> None:
+        """Signal the main thread until its handler has taken the abort. One send can be lost:
+        when it lands after the handler ran for the real delivery (too early to see the abort)
+        but before the main thread's blocking wait (a thread join) resumes, that wait does not
+        wake (seen: a second SIGTERM during a checkpoint write that then committed). The
+        watcher keeps reading meanwhile, so a third signal still exits at once."""
+        while not self._abort_raised:
+            with self._lock:
+                self._injected[signum] = self._injected.get(signum, 0) + 1
+            try:
+                signal.pthread_kill(threading.main_thread().ident, signum)
+            except (OSError, ValueError, TypeError):  # no main thread left to clean up
+                os._exit(ABORT_EXIT_CODE)
+            time.sleep(0.2)
+
     def _delivered(self, signum: int, in_main: bool) -> None:
         with self._lock:
             self.count += 1
@@ -242,12 +257,7 @@ class StopController:
             # cannot carry on meanwhile); a real signal, not _thread.interrupt_main, so that it also
             # wakes from a blocking wait. Its wakeup byte is not a delivery.
             self._abort_name = name
-            with self._lock:
-                self._injected[signum] = self._injected.get(signum, 0) + 1
-            try:
-                signal.pthread_kill(threading.main_thread().ident, signum)
-            except (OSError, ValueError, TypeError):  # no main thread left to clean up
-                os._exit(ABORT_EXIT_CODE)
+            threading.Thread(target=self._send_abort_to_main, args=(signum,), name="signal-abort", daemon=True).start()
             return
         _write_stderr(f"{name} a third time: exiting {ABORT_EXIT_CODE} now")
         os._exit(ABORT_EXIT_CODE)
