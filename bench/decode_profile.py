@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from dflash_train.config import load_config
     from dflash_train.eval import specdec
-    from dflash_train.eval.command import encode_prompts
+    from dflash_train.eval.prompts import encode_prompts
     from dflash_train.target import load_target
 
     cfg = load_config(args.config)

@@ -69,7 +69,7 @@ def check_bench() -> None:
 def check_training() -> None:
     from conftest import write_tiny_jsonl
 
-    from dflash_train.target.tiny import make_tiny_target
+    from tiny_target import make_tiny_target
 
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_check"
     target = make_tiny_target(work / "target", family="qwen3", num_layers=4, hidden_size=256)

@@ -3,10 +3,18 @@ and a small deterministic JSONL of conversations."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import sys
 from pathlib import Path
 
 import pytest
+
+# test-only knobs (tests/hooks/dflash_test_hooks.py): importable here, and installed at start-up
+# in every subprocess through sitecustomize (inactive unless a DFLASH_TEST_* variable is set)
+HOOKS = Path(__file__).resolve().parent / "hooks"
+sys.path.insert(0, str(HOOKS))
+os.environ["PYTHONPATH"] = os.pathsep.join([str(HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 _SUBJECTS = ["the sea", "a robot", "Paris", "python code", "the moon", "a small cat", "speculative decoding",
              "the library", "a train", "the weather"]
@@ -67,7 +75,7 @@ def _one_intra_op_thread():
 def tiny_target_factory(tmp_path_factory):
     """factory(family="qwen3"|"llama"|"gemma3", **kw) -> Path of a tiny random
     HF directory; each distinct (family, kw) is built once per session."""
-    from dflash_train.target.tiny import make_tiny_target
+    from tiny_target import make_tiny_target
 
     cache: dict = {}
     root = tmp_path_factory.mktemp("tiny-targets")

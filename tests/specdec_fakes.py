@@ -1,4 +1,4 @@
-"""Test helpers for speculative decoding (used by tests/test_eval_*.py).
+"""Test helpers for speculative decoding (used by tests/test_eval_*.py, test_export_reference.py).
 
 * `bias_target_towards`: edits a (tiny, random) target in place so that one
   token is frequent but not certain, like a real LM's frequent tokens, so a

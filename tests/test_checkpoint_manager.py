@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from dflash_test_hooks import delay_commits
 
 from dflash_train.checkpoint import (
     CheckpointError,
@@ -160,7 +161,8 @@ CRASH_SCRIPT = textwrap.dedent(
     t = {"w": torch.arange(1000, dtype=torch.float32)}
     mgr.save(1, t, {"k": 1}, {})
     mgr.wait()
-    mgr.test_delay_seconds = 60.0      # widen the window between "files written" and "commit"
+    from dflash_test_hooks import delay_commits
+    delay_commits(mgr, 60.0)           # widen the window between "files written" and "commit"
     mgr.save(2, {"w": t["w"] * 2}, {"k": 2}, {})
     print("SAVING", flush=True)
     mgr.wait()
@@ -276,7 +278,7 @@ def test_abandon_discards_in_flight_save(tmp_path):
     mgr = CheckpointManager(d, keep_last=2, log=logs.append, code_version="x")
     _save(mgr, 1)
     mgr.wait()
-    mgr.test_delay_seconds = 30.0
+    delay_commits(mgr, 30.0)
     _save(mgr, 2)
     deadline = time.monotonic() + 30
     while not list(d.glob(".tmp-step-00000002-*/manifest.json")):

@@ -81,3 +81,14 @@ def test_shipped_configs_validate():
     assert files, "no shipped configs"
     for f in files:
         load_config(f)
+
+
+def test_config_yaml_of_an_earlier_version_still_loads(tmp_path):
+    """Earlier versions wrote the test knobs train.step_delay_seconds / checkpoint.test_delay_seconds
+    into every RUN/config.yaml: reading such a file drops them; naming them now is an error."""
+    p = tmp_path / "config.yaml"
+    p.write_text("train:\n  max_steps: 7\n  step_delay_seconds: 0\ncheckpoint:\n  test_delay_seconds: 0.0\n")
+    cfg = load_config(p)
+    assert cfg.train.max_steps == 7 and "step_delay_seconds" not in cfg.to_dict()["train"]
+    with pytest.raises(ConfigError, match="step_delay_seconds"):
+        load_config(None, ["train.step_delay_seconds=1"])

@@ -40,7 +40,8 @@ SCRIPT = textwrap.dedent(
             time.sleep(0.01)
         step += 1
         print(f"STOPPING {stop.signal_name}", flush=True)
-        mgr.test_delay_seconds = delay
+        from dflash_test_hooks import delay_commits
+        delay_commits(mgr, delay)
         mgr.save(step, t, {}, {})
         mgr.wait()
         print("SAVED", flush=True)

@@ -10,7 +10,8 @@ import pytest
 from dflash_train.checkpoint.manager import CheckpointManager
 from dflash_train.cli import UserError
 from dflash_train.config import ModelConfig, RunConfig, TargetConfig, save_config
-from dflash_train.eval.command import encode_prompts, eval_command, evaluate_tau, heldout_prompts, read_prompts_file
+from dflash_train.eval.command import eval_command, evaluate_tau
+from dflash_train.eval.prompts import encode_prompts, heldout_prompts, read_prompts_file
 from dflash_train.export import write_export
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.target import load_target

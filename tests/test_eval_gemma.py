@@ -29,7 +29,7 @@ def test_gemma270m_greedy_spec_equals_plain_and_reference(gemma, tmp_path, monke
     import dflash.model as dm
 
     from dflash_train.config import ModelConfig
-    from dflash_train.eval.command import encode_prompts
+    from dflash_train.eval.prompts import encode_prompts
     from dflash_train.eval.specdec import plain_generate, speculative_generate
     from dflash_train.export import write_export
     from dflash_train.model import DFlashDrafter, DrafterConfig

@@ -9,7 +9,7 @@ import torch
 from dflash_train.config import ModelConfig, TargetConfig
 from dflash_train.eval.replay import replay_acceptance, walk_acceptance
 from dflash_train.eval.specdec import plain_generate, speculative_generate
-from dflash_train.eval.testing import bias_target_towards, slot_prediction
+from specdec_fakes import bias_target_towards, slot_prediction
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.target import load_target
 

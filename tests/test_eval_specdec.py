@@ -16,7 +16,7 @@ from dflash_train.eval.specdec import (
     speculative_generate,
     tau_of,
 )
-from dflash_train.eval.testing import OracleDrafter, bias_target_towards, simulate_acceptance, slot_prediction
+from specdec_fakes import OracleDrafter, bias_target_towards, simulate_acceptance, slot_prediction
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.target import load_target
 

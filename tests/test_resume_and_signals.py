@@ -103,7 +103,8 @@ def test_resume_older_checkpoint_is_recorded_before_training(base, tmp_path):
     taus = _taus(run)
     # resume the older step 4 (slowly: each step sleeps, so the first save at step 6 is far away) ...
     log = tmp_path / "resume4.log"
-    p = _start(["train", "--run-dir", run, "--resume", ck / "step-00000004", "train.step_delay_seconds=4"], log)
+    p = _start(["train", "--run-dir", run, "--resume", ck / "step-00000004"], log,
+               extra_env={"DFLASH_TEST_STEP_DELAY": "4"})
     try:
         # ... and SIGKILL it once it trains (step 5 logged), before its first checkpoint
         # (metrics.jsonl is cut back to step 4 at the resume, then step 5 is appended)
@@ -138,7 +139,7 @@ def test_resume_older_checkpoint_is_recorded_before_training(base, tmp_path):
 
     kept_all = tree(aside[0])
     # the user's next plain resume continues the chosen timeline from step 4
-    res = cli("train", "--run-dir", run, "--resume", "auto", "train.step_delay_seconds=0")
+    res = cli("train", "--run-dir", run, "--resume", "auto")
     assert res.returncode == 0, res.stderr
     assert f"resumed from {ck / 'step-00000004'} at step 4" in res.stderr
     assert _steps(run) == list(range(1, 9))  # each step once: the killed run's step 5 was dropped

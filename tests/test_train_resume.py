@@ -59,8 +59,8 @@ def test_run_dir_layout_and_metrics(reference):
 def test_sigterm_then_resume_is_bit_exact(setup, reference, stop_after):
     target, jsonl, root = setup
     rd = root / f"stop{stop_after}"
-    slow = tiny_overrides(target, jsonl, **{"train.step_delay_seconds": 0.3})  # the signal lands mid-run
-    proc = start_train(rd, slow, root / f"stop{stop_after}.log")
+    proc = start_train(rd, tiny_overrides(target, jsonl), root / f"stop{stop_after}.log",
+                       step_delay=0.3)  # the signal lands mid-run
     wait_step(rd, stop_after, proc)
     assert signal_and_wait(proc, signal.SIGTERM) == 0, (root / f"stop{stop_after}.log").read_text()
     stopped = max(losses(rd))
@@ -97,9 +97,8 @@ def test_second_signal_abandons_save_and_exits_130(setup, tmp_path):
     target, jsonl, _ = setup
     rd = tmp_path / "abort"
     log = tmp_path / "abort.log"
-    over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000, "checkpoint.every_steps": 1000,
-                                            "checkpoint.test_delay_seconds": 30})
-    proc = start_train(rd, over, log)
+    over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000, "checkpoint.every_steps": 1000})
+    proc = start_train(rd, over, log, commit_delay=30)
     wait_step(rd, 2, proc)
     proc.send_signal(signal.SIGTERM)
     # the stop checkpoint is being written (the delay holds it before commit)
@@ -113,9 +112,8 @@ def test_second_signal_abandons_save_and_exits_130(setup, tmp_path):
 def test_third_signal_exits_at_once(setup, tmp_path):
     target, jsonl, _ = setup
     rd = tmp_path / "third"
-    over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000, "checkpoint.every_steps": 1000,
-                                            "checkpoint.test_delay_seconds": 60})
-    proc = start_train(rd, over, tmp_path / "third.log")
+    over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000, "checkpoint.every_steps": 1000})
+    proc = start_train(rd, over, tmp_path / "third.log", commit_delay=60)
     wait_step(rd, 1, proc)
     for _ in range(3):
         proc.send_signal(signal.SIGINT)
@@ -126,8 +124,7 @@ def test_third_signal_exits_at_once(setup, tmp_path):
 def test_signal_before_first_step(setup, tmp_path):
     target, jsonl, _ = setup
     rd = tmp_path / "early"
-    proc = start_train(rd, tiny_overrides(target, jsonl, **{"train.step_delay_seconds": 0.3}),
-                       tmp_path / "early.log")
+    proc = start_train(rd, tiny_overrides(target, jsonl), tmp_path / "early.log", step_delay=0.3)
     wait_for(lambda: (rd / "run.json").exists(), 60, what="run.json")
     assert signal_and_wait(proc, signal.SIGTERM) == 0, (tmp_path / "early.log").read_text()
     run = json.loads((rd / "run.json").read_text())
@@ -157,8 +154,8 @@ def test_sigkill_during_checkpoint_write_then_resume(setup, reference, tmp_path)
     complete checkpoint, and a resume reproduces the reference losses."""
     target, jsonl, _ = setup
     rd = tmp_path / "killed"
-    over = tiny_overrides(target, jsonl, **{"checkpoint.every_steps": 2, "checkpoint.test_delay_seconds": 20})
-    proc = start_train(rd, over, tmp_path / "killed.log")
+    over = tiny_overrides(target, jsonl, **{"checkpoint.every_steps": 2})
+    proc = start_train(rd, over, tmp_path / "killed.log", commit_delay=20)
     # step 2's checkpoint commits after the delay; wait for step 4's write to be in flight
     wait_for(lambda: (rd / "checkpoints" / "latest").exists(), 120, what="first checkpoint")
     wait_for(lambda: any(p.name.startswith(".tmp-") for p in (rd / "checkpoints").iterdir()), 120,

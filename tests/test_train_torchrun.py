@@ -54,9 +54,9 @@ def test_torchrun_sigterm_resume_is_bit_exact(tiny_target_factory, tmp_path):
     assert _torchrun(ref, over).returncode == 0
     rd = tmp_path / "stopped"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "-m", "dflash_train.cli", "train", "--run-dir", str(rd), *over, "train.step_delay_seconds=0.5"]
+           "-m", "dflash_train.cli", "train", "--run-dir", str(rd), *over]
     log = open(tmp_path / "stopped.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(step_delay=0.5), cwd=REPO)
     wait_for(lambda: len(losses(rd)) >= 4, 300, what="step 4")
     pid = json.loads((rd / "run.json").read_text())["pid"]
     os.kill(pid, signal.SIGTERM)  # what `dflash-train stop` does: the leading trainer's verified pid
@@ -93,9 +93,9 @@ def test_fsdp2_trainers_train_and_resume_exactly(tiny_target_factory, tmp_path):
     assert sum(ls[s] for s in (8, 9, 10)) < sum(ls[s] for s in (1, 2, 3))
     rd = tmp_path / "stopped"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "-m", "dflash_train.cli", "train", "--run-dir", str(rd), *over, "train.step_delay_seconds=0.5"]
+           "-m", "dflash_train.cli", "train", "--run-dir", str(rd), *over]
     log = open(tmp_path / "stopped.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(step_delay=0.5), cwd=REPO)
     wait_for(lambda: len(losses(rd)) >= 3, 300, what="step 3")
     os.kill(json.loads((rd / "run.json").read_text())["pid"], signal.SIGTERM)
     assert proc.wait(300) == 0, (tmp_path / "stopped.log").read_text()[-4000:]

@@ -43,10 +43,16 @@ def train_cmd(run_dir: Path, overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "dflash_train.cli", "train", "--run-dir", str(run_dir), *overrides]
 
 
-def env() -> dict:
+def env(step_delay: float | None = None, commit_delay: float | None = None) -> dict:
+    """The environment of a trainer subprocess. step_delay: sleep after every step (a signal lands
+    mid-run); commit_delay: hold each checkpoint before its commit (tests/hooks/dflash_test_hooks.py)."""
     e = dict(os.environ)
     e["PYTHONUNBUFFERED"] = "1"
     e["OMP_NUM_THREADS"] = "1"  # deterministic and polite on 2 shared cores
+    if step_delay:
+        e["DFLASH_TEST_STEP_DELAY"] = str(step_delay)
+    if commit_delay:
+        e["DFLASH_TEST_COMMIT_DELAY"] = str(commit_delay)
     return e
 
 
@@ -55,9 +61,11 @@ def run_train(run_dir: Path, overrides: list[str], timeout: float = 300) -> subp
                           env=env(), cwd=REPO)
 
 
-def start_train(run_dir: Path, overrides: list[str], log: Path) -> subprocess.Popen:
+def start_train(run_dir: Path, overrides: list[str], log: Path, step_delay: float | None = None,
+                commit_delay: float | None = None) -> subprocess.Popen:
     f = open(log, "w")
-    return subprocess.Popen(train_cmd(run_dir, overrides), stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=REPO)
+    return subprocess.Popen(train_cmd(run_dir, overrides), stdout=f, stderr=subprocess.STDOUT,
+                            env=env(step_delay, commit_delay), cwd=REPO)
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -122,8 +122,6 @@ class TrainConfig(_Section):
     max_consecutive_skips: int = Field(5, ge=1)
     # wall-clock budget; 0 = none. Stops like a signal: at a step boundary, with a checkpoint.
     max_seconds: float = Field(0, ge=0)
-    # debugging / tests: pause after every step, so a stop signal lands at a known step
-    step_delay_seconds: float = Field(0, ge=0)
 
 
 class PipelineConfig(_Section):
@@ -140,8 +138,6 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(2, ge=1)
     async_save: bool = True
     grace_seconds: float = Field(30.0, gt=0)
-    # test-only: sleep this long between writing files and committing a checkpoint
-    test_delay_seconds: float = Field(0.0, ge=0)
 
 
 class EvalConfig(_Section):
@@ -272,11 +268,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             loaded = {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of sections")
-        data = loaded
+        data = _drop_retired(loaded)
     if overrides:
         data = apply_overrides(data, overrides)
         origin += " + overrides"
     return validate_config(data, origin)
+
+
+# keys earlier versions wrote into every config.yaml (test knobs, now installed by the tests):
+# dropped when a file is read, so run dirs made by those versions still resume
+RETIRED_KEYS = (("train", "step_delay_seconds"), ("checkpoint", "test_delay_seconds"))
+
+
+def _drop_retired(data: dict[str, Any]) -> dict[str, Any]:
+    for section, key in RETIRED_KEYS:
+        if isinstance(data.get(section), dict) and key in data[section]:
+            data[section] = {k: v for k, v in data[section].items() if k != key}
+    return data
 
 
 def validate_config(data: dict[str, Any], origin: str = "config") -> RunConfig:
@@ -305,7 +313,7 @@ RUN_CONFIG_FILE = "config.yaml"
 # the key with its old and new value.
 RESUME_MAY_CHANGE: tuple[str, ...] = (
     "name",
-    "train.max_steps", "train.max_seconds", "train.step_delay_seconds", "train.max_consecutive_skips",
+    "train.max_steps", "train.max_seconds", "train.max_consecutive_skips",
     # the lr schedule: lr(step) = train.lr * factor(step; max_steps, warmup_fraction, min_lr_ratio),
     # recomputed with the new values from the first step after the resume
     "train.lr", "train.min_lr_ratio", "train.warmup_fraction",

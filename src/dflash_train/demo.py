@@ -95,7 +95,7 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
 def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     from dflash_train.data import load_prepared
     from dflash_train.data.regenerate import regenerate_conversations
-    from dflash_train.eval.selection import pick_eval_prompts
+    from dflash_train.eval.prompts import pick_eval_prompts
     from dflash_train.export import export_checkpoint, resolve_drafter_source
     from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
     from dflash_train.report import write_report

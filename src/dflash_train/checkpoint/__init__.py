@@ -2,7 +2,7 @@
 
 Public API (see manager.py / store.py / rng.py and dflash_train.rundir for the details)::
 
-    mgr = CheckpointManager(ckpt_dir, keep_last, async_save=True, test_delay_seconds=0.0, log=print)
+    mgr = CheckpointManager(ckpt_dir, keep_last, async_save=True, log=print)
     mgr.save(step, tensors, objects, meta)   # snapshot now, write in the background
     mgr.wait(); mgr.abandon(); mgr.mark_best(step)
     mgr.last_committed_step, mgr.last_committed_path, mgr.last_stats (SaveStats)

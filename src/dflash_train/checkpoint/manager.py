@@ -3,8 +3,7 @@
 Usage from the train loop::
 
     mgr = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
-                            async_save=cfg.checkpoint.async_save,
-                            test_delay_seconds=cfg.checkpoint.test_delay_seconds, log=log)
+                            async_save=cfg.checkpoint.async_save, log=log)
     ...
     mgr.save(step, drafter.state_dict(),
              {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -28,9 +27,8 @@ naming the key path, because state.pt is loaded with torch.load(weights_only=Tru
 Optimizer/scheduler ``state_dict()``s and `capture_rng_state()` are plain.
 
 Commit protocol: write into ``.tmp-step-NNNNNNNN-<rand>/`` -> fsync each file ->
-manifest.json last -> fsync dir -> (sleep test_delay_seconds, test only) ->
-rename to ``step-NNNNNNNN/`` -> fsync parent -> ``latest`` symlink replaced
-atomically -> retention. A crash at any point leaves either the old state or
+manifest.json last -> fsync dir -> `_commit`: rename to ``step-NNNNNNNN/`` ->
+fsync parent -> ``latest`` symlink replaced atomically; then retention. A crash at any point leaves either the old state or
 the new complete checkpoint visible; leftovers are ``.tmp-*`` (ignored, removed
 when the next CheckpointManager is created on the directory).
 
@@ -184,7 +182,6 @@ class CheckpointManager:
         ckpt_dir: Path,
         keep_last: int,
         async_save: bool = True,
-        test_delay_seconds: float = 0.0,
         log: Log | None = None,
         code_version: str | None = None,
         clean_tmp: bool = True,
@@ -196,7 +193,6 @@ class CheckpointManager:
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         self.keep_last = int(keep_last)
         self.async_save = bool(async_save)
-        self.test_delay_seconds = float(test_delay_seconds)
         self.log: Log = log or _stderr_log
         self._code_version = code_version
         self.on_commit = on_commit
@@ -371,22 +367,7 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(tmp)
-        if self.test_delay_seconds > 0:  # test only: widen the crash window
-            end = time.monotonic() + self.test_delay_seconds
-            while time.monotonic() < end:
-                self._check()
-                time.sleep(min(0.05, max(0.0, end - time.monotonic())))
-        final = self.ckpt_dir / step_dir_name(step)
-        with self._commit_lock:
-            self._check()
-            replaced = None
-            if final.exists():  # same step saved again (e.g. after a resume): the old copy is set aside
-                replaced = self._set_aside(final)
-            os.rename(tmp, final)
-            fsync_dir(self.ckpt_dir)
-            set_link(self.ckpt_dir, LATEST, final)
-            self.last_committed_step = step
-            self.last_committed_path = final
+        final, replaced = self._commit(tmp, step)
         if replaced is not None:
             self.log(f"checkpoint: moved the earlier {final.name} aside to {replaced} (step saved again)")
         self._retention(step, final)
@@ -402,6 +383,23 @@ class CheckpointManager:
                 self.on_commit(step, final)
             except Exception as e:  # noqa: BLE001 - the checkpoint itself is committed
                 self.log(f"warning: checkpoint on_commit callback failed: {type(e).__name__}: {e}")
+
+    def _commit(self, tmp: Path, step: int) -> tuple[Path, Path | None]:
+        """Make the fully written `tmp` the checkpoint of `step` (the one atomic rename) and
+        point ``latest`` at it. Returns (its path, where an earlier copy of the same step was
+        set aside, or None)."""
+        final = self.ckpt_dir / step_dir_name(step)
+        with self._commit_lock:
+            self._check()
+            replaced = None
+            if final.exists():  # same step saved again (e.g. after a resume): the old copy is set aside
+                replaced = self._set_aside(final)
+            os.rename(tmp, final)
+            fsync_dir(self.ckpt_dir)
+            set_link(self.ckpt_dir, LATEST, final)
+            self.last_committed_step = step
+            self.last_committed_path = final
+        return final, replaced
 
     def _get_code_version(self) -> str:
         if self._code_version is None:

@@ -1,6 +1,7 @@
 """Real speculative decoding with a DFlash drafter (greedy exact, lossless sampling)
 and the acceptance length tau. See `specdec` (the decoding loop, reference
-semantics of PyPI dflash 0.1.0) and `command` (`evaluate_tau`, `dflash-train eval`)."""
+semantics of PyPI dflash 0.1.0), `prompts` (which prompts, in the chat format), `ngram`
+(the prompt-lookup baseline), `replay` and `command` (`evaluate_tau`, `dflash-train eval`)."""
 from dflash_train.eval.specdec import plain_generate, rejection_sample, speculative_generate
 
 __all__ = ["speculative_generate", "plain_generate", "rejection_sample", "evaluate_tau"]

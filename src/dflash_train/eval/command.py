@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash_train.eval.ngram import ngram_generate
+from dflash_train.eval.prompts import encode_prompts, pick_eval_prompts, read_prompts_file
 from dflash_train.eval.specdec import acceptance_histogram, plain_generate, speculative_generate, tau_of
 
 
@@ -43,80 +44,6 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
     return v
-
-
-# --------------------------------------------------------------------------- prompts
-
-
-def heldout_prompts(heldout: Sequence[Any], num_prompts: int) -> list[str]:
-    """First user turns of held-out conversations (data.sources.Conversation or ShareGPT/messages dicts)."""
-    out: list[str] = []
-    for conv in heldout:
-        text = _first_user_text(conv)
-        if text and text.strip():
-            out.append(text)
-        if len(out) >= num_prompts:
-            break
-    return out
-
-
-def _first_user_text(conv: Any) -> str | None:
-    if hasattr(conv, "prompt"):
-        try:
-            return conv.prompt
-        except StopIteration:
-            return None
-    if isinstance(conv, str):
-        return conv
-    if isinstance(conv, dict):
-        if isinstance(conv.get("prompt"), str):
-            return conv["prompt"]
-        turns = conv.get("messages") or conv.get("conversations") or []
-        for t in turns:
-            role = t.get("role", t.get("from"))
-            if role in ("user", "human"):
-                return t.get("content", t.get("value"))
-    return None
-
-
-def read_prompts_file(path: str | Path, num_prompts: int | None = None) -> list[str]:
-    """JSONL, one {"prompt": "..."} per line (blank lines ignored). Errors name the file and line."""
-    p = Path(path)
-    if not p.is_file():
-        raise _err(f"prompts file not found: {p}")
-    out: list[str] = []
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise _err(f"{p}: cannot read: {e}") from None
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise _err(f"{p}:{i}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
-            raise _err(f'{p}:{i}: expected an object with a non-empty string "prompt"')
-        out.append(obj["prompt"])
-        if num_prompts is not None and len(out) >= num_prompts:
-            break
-    if not out:
-        raise _err(f"{p}: no prompts")
-    return out
-
-
-def chat_format(target):
-    from dflash_train.data.template import ChatFormat
-
-    return ChatFormat(target.tokenizer, getattr(target, "family", None))
-
-
-def encode_prompts(target, prompts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
-    """(token ids of each prompt as one formatted user turn, stop token ids)."""
-    fmt = chat_format(target)
-    ids = [fmt.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
-    return ids, fmt.stop_token_ids()
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -280,7 +207,6 @@ def _heldout_from_run(run_cfg, target, num_prompts: int) -> list[str]:
         raise _err(f"cannot read held-out conversations: {e}; pass --prompts FILE.jsonl") from None
     # the same choice as the demo and the in-training eval: the first held-out prompts
     # whose formatted form fits the row length the drafter trained at
-    from dflash_train.eval.selection import pick_eval_prompts
 
     prompts = pick_eval_prompts(convs, num_prompts, target, d.max_tokens)
     if not prompts:

@@ -1,6 +1,6 @@
 """Frozen target models: loading (HF dir, GGUF, embedded Gemma 3 270M), layer
 capture by forward hooks, embedding / lm_head / soft-cap, the mask token
-rule, and tiny random targets for tests. See `dflash_train.target.model`."""
+rule. See `dflash_train.target.model` (tiny random targets for tests: tests/tiny_target.py)."""
 from dflash_train.target.model import (
     Target,
     TargetError,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import sys
@@ -362,7 +361,7 @@ class Trainer:
     def _pick_eval_prompts(self, tok_source) -> None:
         """At start-up: the held-out prompts of the in-training eval. None usable -> the
         eval is disabled with a warning (never an error: it must not end a run)."""
-        from dflash_train.eval.selection import pick_eval_prompts
+        from dflash_train.eval.prompts import pick_eval_prompts
 
         cfg = self.cfg
         if not (self.is_leader and cfg.eval.every_steps):
@@ -562,8 +561,7 @@ class Trainer:
             if self.is_leader:
                 self.ckpt = CheckpointManager(
                     self.run_dir / "checkpoints", keep_last=self.cfg.checkpoint.keep_last,
-                    async_save=self.cfg.checkpoint.async_save,
-                    test_delay_seconds=self.cfg.checkpoint.test_delay_seconds, log=log.info,
+                    async_save=self.cfg.checkpoint.async_save, log=log.info,
                     on_commit=self._on_commit,
                 )
             else:
@@ -685,8 +683,6 @@ class Trainer:
                 stats.add("trainer", busy=time.perf_counter() - t_busy)
                 step_times.append(time.perf_counter() - t_step)
                 metrics.advance(self.state.step)
-                if cfg.train.step_delay_seconds:
-                    time.sleep(cfg.train.step_delay_seconds)
 
                 give_up = self.state.consecutive_skips >= cfg.train.max_consecutive_skips
                 if self.state.step % cfg.logging.every_steps == 0 or give_up:

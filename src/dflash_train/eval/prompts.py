@@ -1,0 +1,94 @@
+"""Evaluation prompts: held-out conversations' first user turns, a prompts file, the ones
+an evaluation uses (`pick_eval_prompts`), and their token ids in the target's chat format."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from dflash_train.errors import UserError
+
+
+def heldout_prompts(heldout: Sequence[Any], num_prompts: int) -> list[str]:
+    """First user turns of held-out conversations (data.sources.Conversation or ShareGPT/messages dicts)."""
+    out: list[str] = []
+    for conv in heldout:
+        text = _first_user_text(conv)
+        if text and text.strip():
+            out.append(text)
+        if len(out) >= num_prompts:
+            break
+    return out
+
+
+def _first_user_text(conv: Any) -> str | None:
+    if hasattr(conv, "prompt"):
+        try:
+            return conv.prompt
+        except StopIteration:
+            return None
+    if isinstance(conv, str):
+        return conv
+    if isinstance(conv, dict):
+        if isinstance(conv.get("prompt"), str):
+            return conv["prompt"]
+        turns = conv.get("messages") or conv.get("conversations") or []
+        for t in turns:
+            role = t.get("role", t.get("from"))
+            if role in ("user", "human"):
+                return t.get("content", t.get("value"))
+    return None
+
+
+def read_prompts_file(path: str | Path, num_prompts: int | None = None) -> list[str]:
+    """JSONL, one {"prompt": "..."} per line (blank lines ignored). Errors name the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"prompts file not found: {p}")
+    out: list[str] = []
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{p}: cannot read: {e}") from None
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise UserError(f"{p}:{i}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+            raise UserError(f'{p}:{i}: expected an object with a non-empty string "prompt"')
+        out.append(obj["prompt"])
+        if num_prompts is not None and len(out) >= num_prompts:
+            break
+    if not out:
+        raise UserError(f"{p}: no prompts")
+    return out
+
+
+def chat_format(target):
+    from dflash_train.data.template import ChatFormat
+
+    return ChatFormat(target.tokenizer, getattr(target, "family", None))
+
+
+def encode_prompts(target, prompts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
+    """(token ids of each prompt as one formatted user turn, stop token ids)."""
+    fmt = chat_format(target)
+    ids = [fmt.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
+    return ids, fmt.stop_token_ids()
+
+
+def pick_eval_prompts(heldout: Sequence[Any], num_prompts: int, target, max_prompt_tokens: int) -> list[str]:
+    """The first `num_prompts` held-out prompts whose formatted prompt fits `max_prompt_tokens`
+    (the row length the drafter trained at): tau is measured where the drafter was trained,
+    and a 4000-token ShareGPT paste does not dominate the eval's time."""
+    out: list[str] = []
+    for text in heldout_prompts(heldout, len(heldout)):
+        ids, _ = encode_prompts(target, [text])
+        if ids and len(ids[0]) <= max_prompt_tokens:
+            out.append(text)
+        if len(out) >= num_prompts:
+            break
+    return out
