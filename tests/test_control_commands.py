@@ -89,16 +89,16 @@ def test_status_and_graceful_stop(tmp_path, capsys):
     run_dir = tmp_path / "run"
     p = _start(run_dir)
     try:
-        assert status_command(run_dir, [], True) == 0
+        assert status_command(run_dir, True) == 0
         info = json.loads(capsys.readouterr().out)
         assert info["live"] and info["pid"] == p.pid and info["code_version"] == "cv-fake"
         assert info["step"] >= 10 and info["tokens_per_s"] > 0 and info["loss"] is not None
         assert info["latest_checkpoint_step"] == 10
-        assert status_command(run_dir, [], False) == 0
+        assert status_command(run_dir, False) == 0
         table = capsys.readouterr().out
         assert "LIVE" in table and str(p.pid) in table and "cv-fake" in table
 
-        assert stop_command(run_dir, [], 60.0, "INT", False) == 0
+        assert stop_command(run_dir, 60.0, "INT", False) == 0
         out = capsys.readouterr().out
         p.wait(timeout=30)
         final = int(p.stdout.read().split("EXIT ")[1])
@@ -109,10 +109,10 @@ def test_status_and_graceful_stop(tmp_path, capsys):
         assert rec["live"] is False and rec["step"] == final and rec["last_checkpoint"].endswith(f"step-{final:08d}")
         assert verify_checkpoint(run_dir / "checkpoints" / "latest") == []
         # not live any more: status 3, stop refuses with 2
-        assert status_command(run_dir, [], True) == 3
+        assert status_command(run_dir, True) == 3
         info = json.loads(capsys.readouterr().out)
         assert not info["live"] and info["step"] >= final
-        assert stop_command(run_dir, [], 5.0, "TERM", False) == 2
+        assert stop_command(run_dir, 5.0, "TERM", False) == 2
         assert "not live" in capsys.readouterr().err
     finally:
         _cleanup(p)
@@ -124,27 +124,27 @@ def test_stop_refuses_reused_pid_and_bad_input(tmp_path, capsys):
     fake = {"pid": os.getpid(), "create_time": psutil.Process().create_time() - 1000, "hostname": os.uname().nodename,
             "live": True, "step": 5}
     (run_dir / "run.json").write_text(json.dumps(fake))
-    assert stop_command(run_dir, [], 5.0, "INT", False) == 2
+    assert stop_command(run_dir, 5.0, "INT", False) == 2
     err = capsys.readouterr().err
     assert "reused" in err and str(os.getpid()) in err
-    assert status_command(run_dir, [], True) == 3
+    assert status_command(run_dir, True) == 3
     assert "reused" in json.loads(capsys.readouterr().out)["reason"]
     fake["create_time"] = psutil.Process().create_time()
     (run_dir / "run.json").write_text(json.dumps(fake))
-    assert stop_command(run_dir, [], 5.0, "HUP", False) == 2  # never signals ourselves with a bad name
+    assert stop_command(run_dir, 5.0, "HUP", False) == 2  # never signals ourselves with a bad name
     assert "unknown --signal" in capsys.readouterr().err
-    assert stop_command(tmp_path / "empty", [], 5.0, "INT", False) == 2
-    assert status_command(tmp_path / "missing", [], False) == 2
+    assert stop_command(tmp_path / "empty", 5.0, "INT", False) == 2
+    assert status_command(tmp_path / "missing", False) == 2
 
 
 def test_stop_timeout_then_force(tmp_path, capsys):
     run_dir = tmp_path / "run"
     p = _start(run_dir, "ignore")
     try:
-        assert stop_command(run_dir, [], 1.0, "TERM", False) == 1
+        assert stop_command(run_dir, 1.0, "TERM", False) == 1
         assert "still running after 1 s" in capsys.readouterr().out
         assert p.poll() is None  # not killed without --force
-        assert stop_command(run_dir, [], 1.0, "TERM", True) == 1
+        assert stop_command(run_dir, 1.0, "TERM", True) == 1
         out = capsys.readouterr().out
         assert "still running after 1 s" in out and "SIGKILL" in out and "step-00000010" in out
         p.wait(timeout=30)
@@ -157,7 +157,7 @@ def test_stop_reports_missing_final_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
     p = _start(run_dir, "nosave")
     try:
-        assert stop_command(run_dir, [], 60.0, "TERM", False) == 1
+        assert stop_command(run_dir, 60.0, "TERM", False) == 1
         out = capsys.readouterr().out
         assert "no checkpoint at the stop step" in out and "step-00000010" in out
     finally:
@@ -184,7 +184,7 @@ def test_profile_live_process(tmp_path, capsys):
         assert "MainThread" not in top  # thread names set by the trainer are used
         assert "target-worker-0" in (tmp_path / "prof" / "dump.txt").read_text()
         assert "flamegraph:" in cap.out and "top functions" in cap.out
-        assert stop_command(run_dir, [], 60.0, "INT", False) == 0
+        assert stop_command(run_dir, 60.0, "INT", False) == 0
         # a dead run cannot be profiled
         p.wait(timeout=30)
         assert profile_command(run_dir, 1.0, tmp_path / "prof2") == 2
@@ -196,9 +196,15 @@ def test_via_forwards_to_remote_call(monkeypatch, tmp_path):
     import dflash_train.deploy.remote as remote
 
     calls = []
+    from typer.testing import CliRunner
+
+    from dflash_train.cli import app
+
     monkeypatch.setattr(remote, "remote_call", lambda via, argv, timeout=None: calls.append((via, argv, timeout)) or 7)
-    assert status_command(Path("/far/run"), ["ssh://u@h", "pct:200"], True) == 7
-    assert stop_command(Path("/far/run"), ["docker:c"], 30.0, "TERM", True) == 7
+    runner = CliRunner()
+    assert runner.invoke(app, ["status", "/far/run", "--via", "ssh://u@h", "--via", "pct:200", "--json"]).exit_code == 7
+    assert runner.invoke(app, ["stop", "/far/run", "--via", "docker:c", "--timeout", "30", "--signal", "TERM",
+                               "--force"]).exit_code == 7
     assert calls[0][:2] == (["ssh://u@h", "pct:200"], ["status", "/far/run", "--json"])
     assert calls[1][:2] == (["docker:c"], ["stop", "/far/run", "--timeout", "30.0", "--signal", "TERM", "--force"])
     assert calls[1][2] > 30.0

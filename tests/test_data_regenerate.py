@@ -8,7 +8,7 @@ import torch
 
 from dflash_train.config import TargetConfig, load_config
 from dflash_train.data import ChatFormat, load_prepared
-from dflash_train.data.regenerate import generate_answers, regenerate_command, regenerate_conversations
+from dflash_train.data.regenerate import generate_answers, regenerate_conversations
 from dflash_train.target import load_target
 from conftest import write_tiny_jsonl
 
@@ -45,7 +45,7 @@ def test_regenerate_is_resumable(tmp_path, gemma_tiny, tiny_target_factory):
     # a torn last line (interrupted write) is cut off and that conversation redone
     with out.open("a") as f:
         f.write('{"id": "tiny-0003", "conversa')
-    c2 = regenerate_command(load_config(None, over), out, 4, 2, 0.0, target=gemma_tiny)
+    c2 = regenerate_conversations(load_config(None, over), out, gemma_tiny, None, 4, 2, 0.0)
     assert c2["already_done"] == c1["written"] and c2["written"] + c2["empty_answer"] == 5 - c1["written"]
     lines = out.read_text().splitlines()
     assert lines[:len(first)] == first
@@ -55,7 +55,7 @@ def test_regenerate_is_resumable(tmp_path, gemma_tiny, tiny_target_factory):
     for r in recs:
         assert [t["from"] for t in r["conversations"]][-1] == "gpt"
         assert r["regenerated"]["max_new_tokens"] == 4
-    c3 = regenerate_command(load_config(None, over), out, 4, 2, 0.0, target=gemma_tiny)
+    c3 = regenerate_conversations(load_config(None, over), out, gemma_tiny, None, 4, 2, 0.0)
     assert c3["written"] == 0
     # the output trains: data.regenerated
     cfg = load_config(None, over + [f"data.regenerated={out}", "data.heldout_fraction=0", "model.block_size=2",

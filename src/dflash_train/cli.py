@@ -89,6 +89,45 @@ def demo(
 # --------------------------------------------------------------------------- data
 
 
+def prepare_command(cfg, out: Path | None) -> Path:
+    """`dflash-train prepare-data`: tokenise + template + loss-mask once, into
+    `out` (default: the cache directory load_prepared will look in)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from dflash_train.data.prepare import build_prepared, cache_inputs, load_prepared, save_prepared
+    from dflash_train.target import load_tokenizer
+
+    console = Console(stderr=True)
+    tokenizer, family = load_tokenizer(cfg.target)
+    with Progress(TextColumn("[bold]preparing[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task(cfg.data.regenerated or cfg.data.source, total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        if out is None:
+            data = load_prepared(cfg, tokenizer, family, progress)
+            dest = data.path
+        else:
+            inputs = cache_inputs(cfg, tokenizer, family)
+            data = build_prepared(cfg, tokenizer, family, progress)
+            dest = save_prepared(data, Path(out), inputs)
+    s = data.stats
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.get("skipped", {}).items())) or "none"
+    console.print(
+        f"{s['conversations_read']} conversations ({s['train_conversations']} train, {s['heldout_conversations']} held out), "
+        f"skipped: {skipped}; {s['rows']} rows x {s['max_tokens']} tokens, fill {s['fill']:.2f}, "
+        f"{s['supervised_tokens']} supervised tokens, {s['dropped_documents']} short documents dropped"
+        + (f"; source file cut off at item {s['truncated_item']['index']}" if s.get("truncated_item") else "")
+        + (" (cached)" if s.get("cache") == "hit" else "")
+    )
+    print(dest)
+    return Path(dest) if dest else Path(".")
+
+
+
 @app.command("prepare-data")
 def prepare_data(
     overrides: List[str] = typer.Argument(None),
@@ -99,7 +138,6 @@ def prepare_data(
 
     def go():
         from dflash_train.config import load_config
-        from dflash_train.data.prepare import prepare_command
 
         prepare_command(load_config(config, overrides or []), out)
 
@@ -119,9 +157,12 @@ def regenerate(
 
     def go():
         from dflash_train.config import load_config
-        from dflash_train.data.regenerate import regenerate_command
+        from dflash_train.data.regenerate import regenerate_conversations
+        from dflash_train.target import load_target
 
-        regenerate_command(load_config(config, overrides or []), out, max_new_tokens, batch_size, temperature)
+        cfg = load_config(config, overrides or [])
+        # the target loads only when some conversation still needs an answer
+        regenerate_conversations(cfg, out, lambda: load_target(cfg.target), None, max_new_tokens, batch_size, temperature)
 
     _guard(go)
 
@@ -190,6 +231,13 @@ def export(
 # --------------------------------------------------------------------------- operations
 
 
+def _on_far_end(via: List[str], argv: List[str], timeout: float) -> int:
+    """`dflash-train ARGV` on the far end of the --via hops; its output and exit code as they are."""
+    from dflash_train.deploy.remote import remote_call
+
+    return remote_call(list(via), argv, timeout=timeout)
+
+
 Via = typer.Option(None, "--via", help="hop: ssh://user@host[:port] | pct:CTID | docker:NAME | kubectl:[NS/]POD (repeatable)")
 
 
@@ -202,9 +250,11 @@ def status(
     """Is the run live? pid (verified), step, tok/s, last checkpoint, code version."""
 
     def go():
+        if via:
+            raise typer.Exit(_on_far_end(via, ["status", str(run_dir)] + (["--json"] if as_json else []), 120))
         from dflash_train.control.commands import status_command
 
-        raise typer.Exit(status_command(run_dir, via or [], as_json))
+        raise typer.Exit(status_command(run_dir, as_json))
 
     _guard(go)
 
@@ -222,9 +272,12 @@ def stop(
     def go():
         if not timeout >= 0:  # also refuses nan
             raise UserError(f"--timeout must be a number of seconds >= 0 (got {timeout})")
+        if via:
+            argv = ["stop", str(run_dir), "--timeout", str(timeout), "--signal", signal_name] + (["--force"] if force else [])
+            raise typer.Exit(_on_far_end(via, argv, timeout + 120))
         from dflash_train.control.commands import stop_command
 
-        raise typer.Exit(stop_command(run_dir, via or [], timeout, signal_name, force))
+        raise typer.Exit(stop_command(run_dir, timeout, signal_name, force))
 
     _guard(go)
 

@@ -1,9 +1,10 @@
 """`dflash-train status` and `dflash-train stop`.
 
-Local logic lives in functions taking a run_dir (`status_info`, `stop_run`);
-with ``--via`` hops the same subcommand is run on the far host through
+Local logic lives in functions taking a run_dir (`status_info`, `stop_run`).
+With ``--via`` hops cli.py runs the same subcommand on the far host through
 `dflash_train.deploy.remote.remote_call` (the far side runs this module
-locally), and its output and exit code are passed through unchanged.
+locally) and passes its output and exit code through unchanged: control never
+imports deploy.
 
 status exit codes: 0 live (pid verified against the recorded start time),
 3 not live (no run.json, process gone, pid reused, run released), 2 usage
@@ -33,7 +34,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import psutil
 
@@ -104,11 +105,7 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def status_command(run_dir: Path, via: Sequence[str], as_json: bool) -> int:
-    if via:
-        from dflash_train.deploy.remote import remote_call
-
-        return remote_call(list(via), ["status", str(run_dir)] + (["--json"] if as_json else []), timeout=120)
+def status_command(run_dir: Path, as_json: bool) -> int:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         _err(f"run dir not found: {run_dir}")
@@ -253,12 +250,7 @@ def stop_run(
                       checkpoint=str(latest), exited=True, waited_s=waited)
 
 
-def stop_command(run_dir: Path, via: Sequence[str], timeout: float, signal_name: str, force: bool) -> int:
-    if via:
-        from dflash_train.deploy.remote import remote_call
-
-        argv = ["stop", str(run_dir), "--timeout", str(timeout), "--signal", str(signal_name)] + (["--force"] if force else [])
-        return remote_call(list(via), argv, timeout=timeout + 120)
+def stop_command(run_dir: Path, timeout: float, signal_name: str, force: bool) -> int:
     res = stop_run(Path(run_dir), timeout, signal_name, force)
     if res.code == STOP_REFUSED:
         _err(res.message)

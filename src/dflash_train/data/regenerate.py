@@ -86,17 +86,12 @@ def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_
     return res
 
 
-def regenerate_command(cfg, out: Path, max_new_tokens: int = 256, batch_size: int = 8,
-                       temperature: float = 0.0, target=None) -> dict:
-    """`dflash-train regenerate`: regenerate answers into `out` (JSONL, appended); returns counts."""
-    return regenerate_conversations(cfg, out, None, max_new_tokens, batch_size, temperature, target)
-
-
-def regenerate_conversations(cfg, out: Path, max_conversations: int | None = None, max_new_tokens: int = 256,
-                             batch_size: int = 8, temperature: float = 0.0, target=None) -> dict:
+def regenerate_conversations(cfg, out: Path, target, max_conversations: int | None = None, max_new_tokens: int = 256,
+                             batch_size: int = 8, temperature: float = 0.0) -> dict:
     """Regenerate the answers of the first `max_conversations` conversations of
     ``data.source`` (default ``data.limit``) into `out` (JSONL, appended,
-    resumable); `target` reuses an already loaded Target. Returns counts:
+    resumable) with `target`: a loaded Target, or a function that loads one (called only when
+    something is left to regenerate). Returns counts:
     conversations, already_done, written, prompt_too_long, empty_answer,
     new_tokens, seconds."""
     from rich.console import Console
@@ -119,10 +114,8 @@ def regenerate_conversations(cfg, out: Path, max_conversations: int | None = Non
     if not todo:
         console.print(f"regenerate: all {len(convs)} conversations already in {out}")
         return counts
-    if target is None:
-        from dflash_train.target import load_target
-
-        target = load_target(cfg.target)
+    if not hasattr(target, "tokenizer"):
+        target = target()
     fmt = ChatFormat(target.tokenizer, target.family)
     items: list[tuple[Conversation, list[int]]] = []
     for c in todo:
