@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     from dflash_train.config import load_config
     from dflash_train.eval import specdec
     from dflash_train.eval.prompts import encode_prompts
-    from dflash_train.target import load_target
+    from dflash_train.targets import load_target
 
     cfg = load_config(args.config)
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ import torch
 from dflash_train.config import TargetConfig, load_config
 from dflash_train.data import ChatFormat, load_prepared
 from dflash_train.data.regenerate import generate_answers, regenerate_conversations
-from dflash_train.target import load_target
+from dflash_train.targets import load_target
 from conftest import write_tiny_jsonl
 
 

@@ -14,7 +14,7 @@ from dflash_train.eval.command import eval_command, evaluate_tau
 from dflash_train.eval.prompts import encode_prompts, heldout_prompts, read_prompts_file
 from dflash_train.export import write_export
 from dflash_train.model import DFlashDrafter, DrafterConfig
-from dflash_train.target import load_target
+from dflash_train.targets import load_target
 
 
 

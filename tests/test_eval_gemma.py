@@ -19,7 +19,7 @@ PROMPTS = ["What is the capital of France?", "Write one sentence about the sea."
 @pytest.fixture(scope="module")
 def gemma():
     from dflash_train.config import EMBEDDED_TARGET, TargetConfig
-    from dflash_train.target import load_target
+    from dflash_train.targets import load_target
 
     return load_target(TargetConfig(path=EMBEDDED_TARGET, device="cpu", dtype="float32"))
 

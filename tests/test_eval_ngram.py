@@ -13,7 +13,7 @@ from dflash_train.config import TargetConfig
 from dflash_train.eval import ngram
 from dflash_train.eval.ngram import ngram_generate, propose
 from dflash_train.eval.specdec import plain_generate
-from dflash_train.target import load_target
+from dflash_train.targets import load_target
 
 # --------------------------------------------------------------------------- propose
 

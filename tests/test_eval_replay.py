@@ -11,7 +11,7 @@ from dflash_train.eval.replay import replay_acceptance, walk_acceptance
 from dflash_train.eval.specdec import plain_generate, speculative_generate
 from specdec_fakes import bias_target_towards, slot_prediction
 from dflash_train.model import DFlashDrafter, DrafterConfig
-from dflash_train.target import load_target
+from dflash_train.targets import load_target
 
 PROMPTS = ["Hello! How can I help", "The quick brown fox", "Write a short poem about the sea."]
 

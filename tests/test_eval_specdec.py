@@ -18,7 +18,7 @@ from dflash_train.eval.specdec import (
 )
 from specdec_fakes import OracleDrafter, bias_target_towards, simulate_acceptance, slot_prediction
 from dflash_train.model import DFlashDrafter, DrafterConfig
-from dflash_train.target import load_target
+from dflash_train.targets import load_target
 
 
 

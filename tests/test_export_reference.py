@@ -15,7 +15,7 @@ from dflash_train.eval.specdec import plain_generate, speculative_generate
 from specdec_fakes import bias_target_towards, slot_prediction
 from dflash_train.export import load_export, write_export
 from dflash_train.model import DFlashDrafter, DrafterConfig
-from dflash_train.target import load_target
+from dflash_train.targets import load_target
 
 dflash = pytest.importorskip("dflash")
 import dflash.model as dm  # noqa: E402

@@ -1,7 +1,7 @@
 """Tiny stand-ins shared by the tests/test_model_*.py files (no tests here).
 
 FakeTarget follows docs/architecture.md "Target interface" with a random
-nn.Embedding and lm_head; it does not depend on src/dflash_train/target/.
+nn.Embedding and lm_head; it does not depend on src/dflash_train/targets/.
 """
 from __future__ import annotations
 

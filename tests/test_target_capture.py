@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash_train.config import TargetConfig
-from dflash_train.target import Target, TargetError, choose_mask_token_id, document_positions, load_target
+from dflash_train.targets import Target, TargetError, choose_mask_token_id, document_positions, load_target
 
 FAMILIES = ["qwen3", "llama", "gemma3"]
 

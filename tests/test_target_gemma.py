@@ -11,7 +11,7 @@ import torch
 
 from dflash_train.config import TargetConfig
 from dflash_train.data import ChatFormat
-from dflash_train.target import load_target
+from dflash_train.targets import load_target
 
 pytestmark = pytest.mark.slow
 

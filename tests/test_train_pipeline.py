@@ -24,7 +24,7 @@ def test_real_source_pipeline_equals_synchronous(tiny):
     from dflash_train.data import DataOrder, load_prepared
     from dflash_train.pipeline.source import TargetBatchSource
     from dflash_train.pipeline.stages import Pipeline, synchronous_batches
-    from dflash_train.target import load_target
+    from dflash_train.targets import load_target
 
     target_dir, jsonl, root = tiny
     cfg = load_config(None, tiny_overrides(target_dir, jsonl))

@@ -85,7 +85,7 @@ def random_target(shape: dict, dev: torch.device, dtype: torch.dtype):
     """A randomly initialised Qwen3-shaped target (no weights needed)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_train.target import Target
+    from dflash_train.targets import Target
 
     cfg = Qwen3Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["inter"],
                       num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],

@@ -96,7 +96,7 @@ def prepare_command(cfg, out: Path | None) -> Path:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from dflash_train.data.prepare import build_prepared, cache_inputs, load_prepared, save_prepared
-    from dflash_train.target import load_tokenizer
+    from dflash_train.targets import load_tokenizer
 
     console = Console(stderr=True)
     tokenizer, family = load_tokenizer(cfg.target)
@@ -158,7 +158,7 @@ def regenerate(
     def go():
         from dflash_train.config import load_config
         from dflash_train.data.regenerate import regenerate_conversations
-        from dflash_train.target import load_target
+        from dflash_train.targets import load_target
 
         cfg = load_config(config, overrides or [])
         # the target loads only when some conversation still needs an answer

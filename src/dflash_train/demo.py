@@ -99,7 +99,7 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     from dflash_train.export import export_checkpoint, resolve_drafter_source
     from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
     from dflash_train.report import write_report
-    from dflash_train.target import load_target
+    from dflash_train.targets import load_target
     from dflash_train.train.run import run_training
 
     run_dir = Path(run_dir)

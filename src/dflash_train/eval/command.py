@@ -289,7 +289,7 @@ def eval_command(
     from dflash_train.config import TargetConfig
     from dflash_train.export import resolve_drafter_source
     from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.target import load_target
+    from dflash_train.targets import load_target
 
     if num_prompts < 1:
         raise _err("--num-prompts must be >= 1")

@@ -41,7 +41,7 @@ def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard:
                         progress=None) -> Path:
     from dflash_train.data import load_prepared
     from dflash_train.model.drafter import DrafterConfig
-    from dflash_train.target import load_target
+    from dflash_train.targets import load_target
 
     if dtype not in DTYPES:
         raise PrecomputeError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")

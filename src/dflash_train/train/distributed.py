@@ -297,7 +297,7 @@ def serve_target_rank(cfg, run_dir: Path, ctx: DistContext) -> int:
     from dflash_train.data import DataOrder, load_prepared
     from dflash_train.model.drafter import DrafterConfig
     from dflash_train.pipeline.source import TargetBatchSource
-    from dflash_train.target import load_target
+    from dflash_train.targets import load_target
     from dflash_train.train.metrics import setup_logging
     from dflash_train.utils import resolve_device
 

@@ -180,7 +180,7 @@ class Trainer:
         config.RESUME_MAY_CHANGE), the target's files, layer ids / mask token against
         the target's config.json."""
         from dflash_train.config import ConfigError, check_resume_config
-        from dflash_train.target.model import check_target_files
+        from dflash_train.targets.model import check_target_files
 
         cfg = self.cfg
         for key, dev in (("train.device", cfg.train.device), ("target.device", cfg.target.device)):
@@ -282,7 +282,7 @@ class Trainer:
 
         from dflash_train.data import load_prepared
         from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
-        from dflash_train.target import load_target, load_tokenizer
+        from dflash_train.targets import load_target, load_tokenizer
 
         cfg = self.cfg
         self.device = self.ctx.trainer_device(resolve_device(cfg.train.device))
