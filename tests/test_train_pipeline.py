@@ -104,12 +104,12 @@ def test_corrupt_precomputed_shard_is_a_clear_error(tiny, tmp_path):
 def test_non_finite_steps_are_skipped_then_stop(tiny, monkeypatch, tmp_path):
     """In-process: a loss that turns NaN is skipped and logged; N in a row stop
     the run with a checkpoint of the last good state."""
-    import dflash_train.model.loss as loss_mod
+    import dflash_train.train.step as step_mod  # the training step's loss
     from dflash_train.config import load_config
     from dflash_train.train.run import run_training
 
     target_dir, jsonl, _ = tiny
-    real = loss_mod.dflash_loss
+    real = step_mod.dflash_loss
     calls = {"n": 0}
 
     def poisoned(*a, **k):
@@ -119,7 +119,7 @@ def test_non_finite_steps_are_skipped_then_stop(tiny, monkeypatch, tmp_path):
             out.loss = out.loss * float("nan")
         return out
 
-    monkeypatch.setattr(loss_mod, "dflash_loss", poisoned)
+    monkeypatch.setattr(step_mod, "dflash_loss", poisoned)
     cfg = load_config(None, tiny_overrides(target_dir, jsonl, **{"train.max_steps": 50,
                                                                  "train.max_consecutive_skips": 3}))
     rd = tmp_path / "nan"

@@ -124,9 +124,9 @@ def _peak_memory(dev: torch.device) -> int:
 
 def run_bench(device: str = "cpu", shape_name: str = "small", steps: int = 3, dtype_name: str | None = None,
               log=print) -> BenchResult:
-    from dflash_train.config import ModelConfig
+    from dflash_train.config import ModelConfig, TrainConfig
     from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
-    from dflash_train.model.loss import dflash_loss
+    from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer
     from dflash_train.pipeline.batch import TrainBatch
     from dflash_train.pipeline.stages import Pipeline
 
@@ -149,7 +149,8 @@ def run_bench(device: str = "cpu", shape_name: str = "small", steps: int = 3, dt
     mcfg = ModelConfig(num_layers=shape["draft_layers"], block_size=shape["block"])
     dcfg = DrafterConfig.from_target(mcfg, target)
     drafter = DFlashDrafter(dcfg, seed=0).to(dev)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    tcfg = TrainConfig()  # the step training runs, with the default loss / optimizer settings
+    opt = make_optimizer(drafter, tcfg)
     B, T = shape["batch"], shape["seq"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab"] - 2, (B, T), generator=g).to(dev)
@@ -180,10 +181,9 @@ def run_bench(device: str = "cpu", shape_name: str = "small", steps: int = 3, dt
     def train_step(batch_feats):
         opt.zero_grad(set_to_none=True)
         with autocast:
-            out = dflash_loss(drafter, target, ids, mask, docs, batch_feats, num_anchors=shape["anchors"],
-                              generator=anchor_gen)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            out = loss_and_backward(drafter, target, TrainBatch(ids, mask, docs, batch_feats, [0], {}), tcfg,
+                                    shape["anchors"], anchor_gen)
+        clip_gradients(drafter, tcfg.grad_clip)
         opt.step()
         return out
 

@@ -23,6 +23,7 @@ import torch
 
 from dflash_train.config import RunConfig, save_config
 from dflash_train.rundir import RunDirBusy, RunRecord, check_not_busy
+from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer
 from dflash_train.utils import code_version, resolve_device
 
 log = logging.getLogger("dflash_train")
@@ -330,13 +331,7 @@ class Trainer:
             # the leader alone would run the sharded drafter's forward: its collectives would hang
             raise TrainError("eval.every_steps with train.sharding=fsdp2 is not supported yet: set eval.every_steps=0 "
                              "and run `dflash-train eval` on the checkpoints")
-        decay, no_decay = [], []
-        for name, p in self.drafter.named_parameters():
-            (no_decay if p.ndim < 2 else decay).append(p)
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.train.lr, betas=tuple(cfg.train.betas), eps=1e-8,
-        )
+        self.optimizer = make_optimizer(self.drafter, cfg.train)
         from dflash_train.train.schedule import make_scheduler
 
         self.scheduler = make_scheduler(self.optimizer, cfg.train.max_steps, cfg.train.warmup_fraction,
@@ -600,7 +595,7 @@ class Trainer:
         return self.ctx.make_pipeline(self)
 
     def _loop(self, stopper) -> int:
-        from dflash_train.model.loss import dflash_loss, expected_acceptance_length
+        from dflash_train.model.loss import expected_acceptance_length
         from dflash_train.train.metrics import MetricsLogger
 
         cfg = self.cfg
@@ -642,21 +637,14 @@ class Trainer:
                     t_busy = time.perf_counter()
                     sync_ctx = self.ctx.no_sync(self.model) if micro < cfg.train.grad_accum - 1 else _null()
                     with sync_ctx, autocast:
-                        out = dflash_loss(
-                            self.model, self.target, batch.input_ids, batch.loss_mask, batch.document_ids,
-                            batch.features, num_anchors=self.num_anchors, generator=self.anchor_gen,
-                            gamma=cfg.train.loss_gamma, chunk_blocks=cfg.train.loss_chunk_blocks,
-                            vocab_subset=self.vocab_subset,
-                        )
-                        (out.loss / cfg.train.grad_accum).backward()
+                        out = loss_and_backward(self.model, self.target, batch, cfg.train, self.num_anchors,
+                                                self.anchor_gen, self.vocab_subset, cfg.train.grad_accum)
                     step_loss += out.loss.detach() / cfg.train.grad_accum
                     acc_correct += out.correct.detach().float()
                     acc_count += out.count.detach().float()
                     stats.add("trainer", busy=time.perf_counter() - t_busy)
                 t_busy = time.perf_counter()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.train.grad_clip)
-                if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-                    grad_norm = grad_norm.full_tensor()
+                grad_norm = clip_gradients(self.drafter, cfg.train.grad_clip)
                 # one host sync per step: the skip decision must agree on every rank
                 finite = bool(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
                 finite = self.ctx.agree_all(finite)
