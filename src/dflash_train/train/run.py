@@ -14,21 +14,19 @@ import random
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from dflash_train.config import RunConfig, save_config
 from dflash_train.rundir import RunDirBusy, RunRecord, check_not_busy
+from dflash_train.train.state import TrainState, checkpoint_payload, restore_payload
 from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer
 from dflash_train.utils import code_version, resolve_device
 
 log = logging.getLogger("dflash_train")
 
-STATE_FORMAT = 1
 
 
 from dflash_train.errors import UserError  # noqa: E402
@@ -36,20 +34,6 @@ from dflash_train.errors import UserError  # noqa: E402
 
 class TrainError(UserError):
     """A run cannot start or continue for a reason the user can act on."""
-
-
-@dataclass
-class TrainState:
-    """Everything besides module/optimizer tensors that a bit-exact resume needs."""
-
-    step: int = 0
-    tokens: int = 0
-    samples: int = 0
-    blocks: int = 0
-    consecutive_skips: int = 0
-    skipped_total: int = 0
-    best_tau: float | None = None
-    order_state: dict[str, Any] = field(default_factory=dict)
 
 
 def seed_everything(seed: int) -> None:
@@ -405,30 +389,8 @@ class Trainer:
         return {"anchors": self.anchor_gen}
 
     def _checkpoint_payload(self) -> tuple[dict, dict, dict]:
-        from dflash_train.checkpoint import capture_rng_state
-
-        # collectives: every trainer rank calls this at the same step
-        train_state = self.state.__dict__.copy()
-        train_state["order_state"] = self.ctx.combine_order_states(self.state.order_state)
-        rng_per_trainer = self.ctx.gather_objects(capture_rng_state(self._rng_generators()))
-        if self.ctx.fsdp:  # gather full tensors (a collective over the trainer ranks)
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                                 get_optimizer_state_dict)
-
-            full = StateDictOptions(full_state_dict=True)
-            tensors = get_model_state_dict(self.drafter, options=full)
-            optim_state = get_optimizer_state_dict(self.drafter, self.optimizer, options=full)
-        else:
-            tensors = dict(self.drafter.state_dict())
-            optim_state = self.optimizer.state_dict()
-        objects = {
-            "format": STATE_FORMAT,
-            "sharding": "fsdp2" if self.ctx.fsdp else "replicated",
-            "optimizer": optim_state,
-            "scheduler": self.scheduler.state_dict(),
-            "train_state": train_state,
-            "rng": rng_per_trainer,
-        }
+        tensors, objects = checkpoint_payload(self.drafter, self.optimizer, self.scheduler, self.state, self.ctx,
+                                              self._rng_generators())
         meta = {
             "step": self.state.step,
             "config_hash": self.cfg.hash(),
@@ -442,7 +404,7 @@ class Trainer:
         return tensors, objects, meta
 
     def _restore(self, path: Path) -> None:
-        from dflash_train.checkpoint import CheckpointError, load_checkpoint, restore_rng_state
+        from dflash_train.checkpoint import CheckpointError, load_checkpoint
 
         try:
             tensors, objects, manifest = load_checkpoint(path)
@@ -457,33 +419,12 @@ class Trainer:
                 raise TrainError(f"checkpoint {path} does not fit this drafter: {k} was {json.dumps(saved[k])}, "
                                  f"now {json.dumps(now[k])} (target {self.cfg.target.path} differs from the one "
                                  f"the run was trained against?)" + (f"; also {diff[1:]}" if diff[1:] else ""))
-        names = {k for k, _ in self.drafter.named_parameters()}
-        if set(tensors) != names:
-            missing, unexpected = sorted(names - set(tensors)), sorted(set(tensors) - names)
-            raise TrainError(f"checkpoint {path} does not fit this drafter: missing {missing}, unexpected {unexpected}")
-        saved_sharding = objects.get("sharding", "replicated")
-        if saved_sharding != ("fsdp2" if self.ctx.fsdp else "replicated"):
-            raise TrainError(f"checkpoint {path} was written with sharding '{saved_sharding}'; resume it with the "
-                             f"same train.sharding")
-        if self.ctx.fsdp:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict)
-
-            full = StateDictOptions(full_state_dict=True)
-            set_model_state_dict(self.drafter, tensors, options=full)
-            set_optimizer_state_dict(self.drafter, self.optimizer, objects["optimizer"], options=full)
-        else:
-            self.drafter.load_state_dict(tensors, strict=True)
-            self.optimizer.load_state_dict(objects["optimizer"])
-        self.scheduler.load_state_dict(objects["scheduler"])
+        try:
+            self.state = restore_payload(path, tensors, objects, self.drafter, self.optimizer, self.scheduler,
+                                         self.ctx, self._rng_generators(), log)
+        except UserError as e:
+            raise TrainError(str(e)) from None
         self._apply_schedule_changes()
-        self.state = TrainState(**objects["train_state"])
-        rng = objects["rng"]
-        if len(rng) != self.ctx.num_trainers:
-            log.warning("checkpoint was written by %d trainer ranks, now %d: RNG streams restart from rank 0's",
-                        len(rng), self.ctx.num_trainers)
-        restore_rng_state(rng[self.ctx.trainer_index if self.ctx.trainer_index < len(rng) else 0],
-                          self._rng_generators())
         log.info("resumed from %s at step %d (%d tokens trained)", path, self.state.step, self.state.tokens)
 
     def _apply_schedule_changes(self) -> None:
