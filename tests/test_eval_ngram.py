@@ -105,7 +105,7 @@ class _FakeModel:
 
 
 def _fake(monkeypatch, seq):
-    monkeypatch.setattr(ngram, "_make_target_cache", lambda m: _FakeCache())
+    monkeypatch.setattr(ngram, "_make_target_cache", lambda m, **kw: _FakeCache())
     model = _FakeModel(seq)
     return SimpleNamespace(model=model, device=torch.device("cpu")), model
 

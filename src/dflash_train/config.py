@@ -44,8 +44,9 @@ class ModelConfig(_Section):
     # None -> chosen from the target tokenizer (see target.mask_token)
     mask_token_id: int | None = Field(None, ge=0)
     rms_norm_eps: float = Field(1e-6, gt=0)
-    rope_theta: float = Field(1_000_000.0, gt=0)
-    max_position_embeddings: int = Field(32768, ge=16)
+    # None -> the target's RoPE settings / context length (model/rope.py); a number -> plain RoPE at that theta
+    rope_theta: float | None = Field(None, gt=0)
+    max_position_embeddings: int | None = Field(None, ge=16)
     init_std: float = Field(0.02, gt=0)
 
     @model_validator(mode="after")

@@ -32,6 +32,7 @@ import torch
 from dflash_train.checkpoint.source import DrafterSource, clean_state_dict, resolve_checkpoint_source
 from dflash_train.report import model_card, run_summary
 from dflash_train.rundir import MANIFEST_FILE
+from dflash_train.serving_check import target_facts
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -61,7 +62,8 @@ def hf_config_dict(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         dflash["output_multiplier"] = float(cfg.output_multiplier)
     if cfg.final_logit_softcapping is not None:
         dflash["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
-    rope_theta = float(cfg.rope_theta)
+    rope = dict(cfg.rope_parameters)
+    rope_theta = float(rope["rope_theta"])
     out: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -73,9 +75,9 @@ def hf_config_dict(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "head_dim": int(cfg.head_dim),
         "hidden_act": "silu",
         "rms_norm_eps": float(cfg.rms_norm_eps),
-        # transformers 5.x reads rope_parameters; 4.x-based engines read rope_theta
+        # transformers 5.x (and vLLM) read rope_parameters; SGLang and 4.x-based code read rope_theta (+ rope_scaling)
         "rope_theta": rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_parameters": rope,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "vocab_size": int(cfg.vocab_size),
@@ -90,9 +92,16 @@ def hf_config_dict(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         "max_window_layers": int(cfg.num_layers),
         "tie_word_embeddings": False,
         "use_cache": True,
-        "dtype": "float32",
+        # the target's serving dtype (SGLang's --dtype auto reads it; a float32 config would run in float16);
+        # torch_dtype for transformers 4.x-based readers
+        "dtype": cfg.serving_dtype,
+        "torch_dtype": cfg.serving_dtype,
         "dflash_config": dflash,
     }
+    if rope["rope_type"] != "default":
+        out["rope_scaling"] = rope  # what SGLang's get_rope_config and transformers 4.x read
+    if float(cfg.output_multiplier) != 1.0:
+        out["logit_scale"] = float(cfg.output_multiplier)  # vLLM's DFlash LogitsProcessor scale
     if extra:
         out["dflash_train"] = extra
     return out
@@ -136,7 +145,9 @@ def drafter_config_from_hf(d: dict[str, Any], where: str = CONFIG_FILE):
             num_target_layers=num_target_layers,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
+            rope_parameters=dict(rope) if rope else None,
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            serving_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             vocab_size=int(d.get("vocab_size", 0)),
             input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
             output_multiplier=float(pick("output_multiplier", 1.0)),
@@ -310,20 +321,26 @@ def check_out_dir(out: Path, force: bool) -> Path:
 
 
 def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, force: bool = False,
-                 provenance: dict[str, Any] | None = None, readme: str | None = None) -> Path:
+                 provenance: dict[str, Any] | None = None, readme: str | None = None,
+                 target: dict[str, Any] | None = None) -> Path:
     """Write config.json + model.safetensors (+ README.md) for a DrafterConfig and its weights.
 
     `out_dir` is checked by `check_out_dir` (a previous export is replaced only
     with `force`). The files get the usual umask-respecting permissions.
+    Weights are stored in ``cfg.serving_dtype``. The written files pass
+    `serving_check.check_export` (against `target`, see `serving_check.target_facts`)
+    before they replace anything; a problem raises the one-line UserError.
     """
     import secrets
 
+    from dflash_train.serving_check import check_export
     from dflash_train.utils import save_safetensors
 
     given = Path(out_dir)
     out = check_out_dir(given, force)
     sd = clean_state_dict(state_dict)
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
+    dtype = getattr(torch, cfg.serving_dtype)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in sd.items()}
     _validate_tensors(cfg, tensors)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-export-{secrets.token_hex(4)}"
@@ -334,6 +351,10 @@ def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, 
         save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         if readme is not None:
             (tmp / README_FILE).write_text(readme)
+        problems, _ = check_export(tmp, target)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise _err(f"export to {given} fails the SGLang/vLLM loader check: {problems[0]}{more}")
         check_out_dir(given, force)  # again, right before replacing anything
         if out.exists():
             old = out.parent / f".{out.name}.old-export-{secrets.token_hex(4)}"
@@ -387,13 +408,50 @@ def export_checkpoint(ckpt_or_run_dir: str | Path, out_dir: str | Path, force: b
     }
     if summary.get("tau") is not None:
         prov["tau"] = summary["tau"]
-    readme = model_card(src.config, summary, src.target_path, name)
-    return write_export(src.config, src.state_dict, out, force=force, provenance=prov, readme=readme)
+    facts = target_facts(src.target_path)
+    cfg = follow_target(src.config, facts)
+    if facts is None and src.target_path and "serving_dtype" not in (src.meta.get("drafter_config") or {"serving_dtype": 1}):
+        # a checkpoint from before serving_dtype was recorded, its target not readable as a HF dir here
+        # (GGUF, embedded, moved): the engines' usual dtype for it
+        import dataclasses
+
+        from dflash_train.config import TargetConfig
+        from dflash_train.targets.model import serving_dtype_of
+
+        cfg = dataclasses.replace(cfg, serving_dtype=serving_dtype_of(TargetConfig(path=src.target_path)))
+    readme = model_card(cfg, summary, src.target_path, name)
+    return write_export(cfg, src.state_dict, out, force=force, provenance=prov, readme=readme, target=facts)
+
+
+def follow_target(cfg, facts: dict[str, Any] | None):
+    """The DrafterConfig to export: serving dtype and context length of the target as it is on disk
+    now (`serving_check.target_facts`), when readable; else what training recorded."""
+    import dataclasses
+
+    if not facts:
+        return cfg
+    kw: dict[str, Any] = {}
+    if facts.get("dtype"):
+        kw["serving_dtype"] = facts["dtype"]
+    tmax = facts.get("max_position_embeddings")
+    if isinstance(tmax, int) and tmax > cfg.max_position_embeddings:
+        kw["max_position_embeddings"] = tmax
+    return dataclasses.replace(cfg, **kw) if kw else cfg
+
+
+def serving_warnings(cfg) -> list[str]:
+    from dflash_train.serving_check import check_config
+
+    return check_config(hf_config_dict(cfg), None)[1]
 
 
 def export_command(source: Path, out: Path, force: bool) -> None:
+    import sys
+
     path = export_checkpoint(source, out, force)
     cfg, sd = load_export(path)
+    for w in serving_warnings(cfg):
+        print(f"WARNING: {w}", file=sys.stderr)
     n = sum(int(t.numel()) for t in sd.values())
     print(f"exported {source} -> {path} ({len(sd)} tensors, {n / 1e6:.2f}M parameters, "
           f"block_size {cfg.block_size}, target layers {cfg.target_layer_ids})")

@@ -246,26 +246,16 @@ def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str)
     ]
     if summary.get("tau_untrained") is not None:
         lines.append(f"- tau of an untrained drafter of the same shape: {_card_num(summary['tau_untrained'], '.3f')}")
+    from dflash_train.serving_check import embedding_scale_warning, launch_commands
+
+    warning = embedding_scale_warning(float(cfg.input_embedding_scale))
+    if warning:
+        lines += ["", "## WARNING: engine compatibility", "", f"- **{warning}**"]
     lines += [
         "",
         "## Serving",
         "",
-        "SGLang:",
-        "",
-        "```bash",
-        f"python -m sglang.launch_server --model-path {tgt} \\",
-        "    --speculative-algorithm DFLASH \\",
-        "    --speculative-draft-model-path ./THIS_DIR \\",
-        f"    --speculative-num-draft-tokens {bs}",
-        "```",
-        "",
-        "vLLM:",
-        "",
-        "```bash",
-        f"vllm serve {tgt} \\",
-        "    --speculative-config '{\"method\": \"dflash\", \"model\": \"./THIS_DIR\", "
-        f"\"num_speculative_tokens\": {bs - 1}}}'",
-        "```",
+        *launch_commands(bs, list(cfg.layer_types), getattr(cfg, "serving_dtype", "bfloat16"), tgt),
         "",
         "Reference implementation (PyPI `dflash`):",
         "",

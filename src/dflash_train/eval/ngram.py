@@ -98,7 +98,7 @@ def ngram_generate(
     # seq[:start + 1] = prompt + produced tokens; seq[start] is the last one (not yet in the cache)
     seq = np.zeros(max_length + 1, dtype=np.int64)
     seq[:n] = input_ids[0].cpu().numpy()
-    cache = _make_target_cache(model)
+    cache = _make_target_cache(model, block_size=k + 1)
     ck = _cache_kw(model)
     out = model(input_ids, position_ids=torch.arange(n, device=device)[None], use_cache=True,
                 logits_to_keep=1, **{ck: cache})

@@ -61,14 +61,19 @@ def _drafter_cfg(drafter):
     return cfg
 
 
-def _make_target_cache(hf_model, rollback: bool = True):
+def _make_target_cache(hf_model, rollback: bool = True, block_size: int | None = None):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=hf_model.config)
     # sliding-window layers keep past states until crop(), so a rejected draft can be rolled back;
+    # linear-attention layers (Qwen3.5, Qwen3-Next) keep the recurrent state after each of the last
+    # `block_size` tokens so a verify block can be cut back to its accepted prefix;
     # plain decoding never rolls back (and never crops): its sliding layers keep only their window
     if rollback and hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()
+        try:
+            cache.activate_past_recording(recurrent_states_to_keep=block_size)
+        except TypeError:  # a transformers without linear-attention caches
+            cache.activate_past_recording()
     return cache
 
 
@@ -275,7 +280,7 @@ def speculative_generate(
     output_ids[:, :n] = input_ids
     positions = torch.arange(max_length + 1, device=device)[None]
 
-    tcache = _make_target_cache(model)
+    tcache = _make_target_cache(model, block_size=bs)
     run = _TargetRunner(target)
     logits, hs = run(input_ids, positions[:, :n], tcache, 1, True)
     first = _pick(logits[:, -1], temperature, gen)

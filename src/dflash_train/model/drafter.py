@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.model import masks as M
+from dflash_train.model import rope as R
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -31,6 +32,11 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     span = end - start
     # python round (banker's) on purpose: the reference build_target_layer_ids uses it
     return [round(start + (i * span) / (N - 1)) for i in range(N)]
+
+
+# DrafterConfig fields that describe how the drafter is served, not what it computes in training:
+# a resume may see them change (e.g. the target re-saved in another dtype)
+SERVING_ONLY_FIELDS = ("serving_dtype", "max_position_embeddings")
 
 
 @dataclass
@@ -55,8 +61,21 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     init_std: float = 0.02
+    # the RoPE the drafter trains with and exports (model/rope.py); None = default RoPE at rope_theta
+    rope_parameters: dict[str, Any] | None = None
+    # the dtype the engines serve the drafter in = the target's own dtype on disk (export writes it)
+    serving_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.rope_parameters is None:
+            self.rope_parameters = R.default_rope(self.rope_theta)
+        else:
+            self.rope_parameters = dict(self.rope_parameters)
+            self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
+        if self.rope_parameters.get("rope_type", "default") not in R.SUPPORTED_TYPES:
+            raise ValueError(f"unsupported rope_type {self.rope_parameters.get('rope_type')!r}")
+        if self.serving_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"serving_dtype {self.serving_dtype!r} is not float32, bfloat16 or float16")
         if len(self.layer_types) == 1 and self.num_layers > 1:
             self.layer_types = list(self.layer_types) * self.num_layers
         if len(self.layer_types) != self.num_layers:
@@ -112,8 +131,9 @@ class DrafterConfig:
             "attention_bias": False,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": dict(self.rope_parameters),
             "max_position_embeddings": self.max_position_embeddings,
+            "dtype": self.serving_dtype,
             "vocab_size": self.vocab_size,
             "tie_word_embeddings": False,
             "layer_types": list(self.layer_types),
@@ -143,7 +163,9 @@ class DrafterConfig:
             num_target_layers=d["num_target_layers"],
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
+            rope_parameters=dict(rope) if rope else None,
             max_position_embeddings=d.get("max_position_embeddings", 32768),
+            serving_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
             vocab_size=d.get("vocab_size", 0),
             input_embedding_scale=float(df.get("input_embedding_scale", 1.0)),
             output_multiplier=float(df.get("output_multiplier", 1.0)),
@@ -167,6 +189,17 @@ class DrafterConfig:
         if mask_id is None:
             raise ValueError("no mask_token_id: set model.mask_token_id or use a target that defines one")
         softcap = target.final_logit_softcapping
+        hf_max = getattr(hf, "max_position_embeddings", None)
+        max_pos = model_cfg.max_position_embeddings or (int(hf_max) if isinstance(hf_max, int) else 32768)
+        if model_cfg.rope_theta is not None:  # an explicit choice: plain RoPE at that theta
+            rope = R.default_rope(model_cfg.rope_theta)
+        else:
+            rope, note = R.select_rope(hf)
+            if note:
+                import logging
+
+                logging.getLogger(__name__).warning("drafter RoPE: %s", note)
+        serving = getattr(target, "serving_dtype", None) or str(target.dtype).replace("torch.", "")
         return cls(
             hidden_size=H,
             num_layers=model_cfg.num_layers,
@@ -181,8 +214,10 @@ class DrafterConfig:
             target_layer_ids=list(layer_ids),
             num_target_layers=int(target.num_layers),
             rms_norm_eps=model_cfg.rms_norm_eps,
-            rope_theta=model_cfg.rope_theta,
-            max_position_embeddings=model_cfg.max_position_embeddings,
+            rope_theta=float(rope["rope_theta"]),
+            rope_parameters=rope,
+            max_position_embeddings=int(max_pos),
+            serving_dtype=serving,
             vocab_size=int(target.vocab_size),
             input_embedding_scale=float(target.embed_scale),
             output_multiplier=float(target.output_multiplier),
@@ -210,18 +245,22 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """cos/sin for arbitrary (per-token) positions, fp32 like Qwen3RotaryEmbedding."""
+    """cos/sin for arbitrary (per-token) positions, fp32 like Qwen3RotaryEmbedding;
+    the frequencies (and yarn's scale) of `rope` (see model/rope.py)."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, rope: dict[str, Any], max_position_embeddings: int):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq, self.scale = R.inv_freq_and_scale(rope, head_dim, max_position_embeddings)
         # non-persistent: not part of the export / state_dict
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.float()  # [..., D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
+        return cos.to(dtype), sin.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -358,7 +397,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(K * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
         if generator is None:
             generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
         self.init_weights(generator)

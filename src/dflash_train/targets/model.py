@@ -66,6 +66,9 @@ class TargetError(ConfigError):
 
 
 _FAMILY_BY_MODEL_TYPE = {"gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3": "qwen3", "llama": "llama"}
+# attention layer types capture builds 4-D block-diagonal masks for; any other (linear_attention,
+# mamba, ...) makes capture run each document alone (Target.per_document_capture)
+_MASKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
 _MASK_NAMES = ("<mask>", "[MASK]", "<MASK>", "<|mask|>")
 _UNUSED_RE = re.compile(r"^(<unused\d+>|\[unused\d+\]|<\|reserved_special_token_\d+\|>|<\|reserved_\d+\|>|<reserved_\d+>)$")
 
@@ -169,6 +172,9 @@ class Target:
         self.layers = self.decoder.layers
         self.layer_types = list(getattr(hc, "layer_types", None) or [])
         self.sliding_window = getattr(hc, "sliding_window", None)
+        # the dtype engines serve this target in (its config.json's dtype; set by load_target),
+        # what the drafter's export is stored in; None = the dtype it runs in here
+        self.serving_dtype: str | None = None
         self._tls = threading.local()
         self._hook_lock = threading.Lock()
         self._hooked = False
@@ -317,7 +323,7 @@ class Target:
             return torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill(~m, torch.finfo(self.dtype).min)
 
         types = set(self.layer_types)
-        unknown = types - {"full_attention", "sliding_attention"}
+        unknown = types - _MASKABLE_LAYER_TYPES
         if unknown:
             raise TargetError(f"capture does not know the attention layer types {sorted(unknown)} of this target")
         if types:
@@ -348,28 +354,69 @@ class Target:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and document_ids {tuple(document_ids.shape)} must both be [B, T]")
         ids = input_ids.to(self.device, torch.long)
         doc = document_ids.to(self.device, torch.long)
+        if self.per_document_capture:
+            feats = self._capture_per_document(ids, doc, layer_ids)
+        else:
+            with torch.inference_mode():
+                store = self._forward_to(ids, self._masks(doc), document_positions(doc), layer_ids)
+            # outside inference mode: the result is a normal tensor usable in autograd graphs
+            feats = torch.cat([store[i] for i in layer_ids], dim=-1)
+        pad = (doc < 0).unsqueeze(-1)
+        if bool(pad.any()):
+            feats = feats.masked_fill(pad, 0)
+        return feats
+
+    def _forward_to(self, ids, mask, pos, layer_ids: Sequence[int]) -> dict[int, torch.Tensor]:
+        """One decoder forward that stops after the deepest of `layer_ids`; their outputs by layer id."""
         wanted = set(layer_ids)
         store: dict[int, torch.Tensor] = {}
         self._ensure_hooks()
         self._tls.active = (wanted, max(wanted), store)
         try:
-            with torch.inference_mode():
-                pos = document_positions(doc)
-                mask = self._masks(doc)
-                try:
-                    self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
-                except _StopForward:
-                    pass
+            try:
+                self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+            except _StopForward:
+                pass
         finally:
             self._tls.active = None
         if set(store) != wanted:
             raise RuntimeError(f"capture: hooks fired for layers {sorted(store)}, expected {sorted(wanted)}")
-        # outside inference mode: the result is a normal tensor usable in autograd graphs
-        feats = torch.cat([store[i] for i in layer_ids], dim=-1)
-        pad = (doc < 0).unsqueeze(-1)
-        if bool(pad.any()):
-            feats = feats.masked_fill(pad, 0)
-        return feats
+        return store
+
+    @property
+    def per_document_capture(self) -> bool:
+        """True when some layers cannot take the block-diagonal 4-D mask (linear attention, state-space
+        layers: they run over the whole row and ignore it): each packed document is then captured
+        in its own forward, which is by construction that document run alone."""
+        return bool(set(self.layer_types) - _MASKABLE_LAYER_TYPES)
+
+    def _capture_per_document(self, ids, doc, layer_ids: Sequence[int]) -> torch.Tensor:
+        if not getattr(self, "_per_document_logged", False):
+            self._per_document_logged = True
+            log.info("target %s has %s layers, which ignore 4-D attention masks: each packed document is "
+                     "captured in its own forward (its features equal running it alone)",
+                     self.source or self.family, sorted(set(self.layer_types) - _MASKABLE_LAYER_TYPES))
+        B, T = ids.shape
+        feats = None
+        rows = doc.tolist()
+        with torch.inference_mode():
+            for r in range(B):
+                s = 0
+                while s < T:
+                    e = s
+                    while e < T and rows[r][e] == rows[r][s]:
+                        e += 1
+                    if rows[r][s] >= 0:
+                        store = self._forward_to(ids[r:r + 1, s:e], None,
+                                                 torch.arange(e - s, device=ids.device)[None], layer_ids)
+                        part = torch.cat([store[i] for i in layer_ids], dim=-1)[0]
+                        if feats is None:
+                            feats = torch.zeros(B, T, part.shape[-1], dtype=part.dtype, device=part.device)
+                        feats[r, s:e] = part
+                    s = e
+        if feats is None:  # only padding
+            feats = torch.zeros(B, T, len(layer_ids) * self.hidden_size, dtype=self.dtype, device=self.device)
+        return feats.clone()
 
     def __repr__(self) -> str:
         return (f"Target(family={self.family}, layers={self.num_layers}, hidden={self.hidden_size}, "
@@ -556,6 +603,26 @@ def check_target_files(cfg: TargetConfig) -> dict[str, int] | None:
     return {"num_layers": _int("num_hidden_layers"), "vocab_size": _int("vocab_size")}
 
 
+def serving_dtype_of(cfg: TargetConfig) -> str:
+    """The dtype serving engines run the target in: ``dtype`` / ``torch_dtype`` of its config.json
+    (text_config first); GGUF targets (and a config without one): bfloat16, what the engines'
+    ``--dtype auto`` picks for the original bf16 checkpoints."""
+    import json
+
+    spec = cfg.path
+    if spec != EMBEDDED_TARGET and not spec.lower().endswith(".gguf"):
+        try:
+            mc = json.loads((Path(spec).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            mc = {}
+        for d in ((mc.get("text_config") if isinstance(mc.get("text_config"), dict) else {}), mc):
+            for key in ("dtype", "torch_dtype"):
+                v = d.get(key)
+                if v in ("float32", "bfloat16", "float16"):
+                    return v
+    return "bfloat16"
+
+
 def load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
     """(tokenizer, family) of the target, without loading its weights."""
     import json
@@ -580,6 +647,31 @@ def load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
     except Exception as e:  # noqa: BLE001
         raise TargetError(f"{path}: cannot load the target's tokenizer ({_first_line(e)})") from None
     return tok, _FAMILY_BY_MODEL_TYPE.get(mt, mt)
+
+
+def _load_hf_model(path: Path, kw: dict):
+    """AutoModelForCausalLM with sdpa; the eager implementation for architectures sdpa does not
+    cover (GPT-OSS: attention sinks); a vision-language checkpoint (Qwen3-VL ...) loads whole via
+    AutoModelForImageTextToText and is used through its language model (Target reads the text config,
+    the decoder, the embedding and the lm_head)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    def load(cls, kw):
+        try:
+            return cls.from_pretrained(str(path), **kw)
+        except ValueError as e:
+            if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
+                raise
+            log.info("%s: the architecture has no sdpa attention; using the eager implementation", path)
+            return cls.from_pretrained(str(path), **{**kw, "attn_implementation": "eager"})
+
+    try:
+        return load(AutoModelForCausalLM, kw)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        log.info("%s: not a causal LM class; loading it as an image-text-to-text model (its language model is the target)", path)
+        return load(AutoModelForImageTextToText, kw)
 
 
 def load_target(cfg: TargetConfig, device: torch.device | str | None = None, tokenizer=None) -> Target:
@@ -617,12 +709,13 @@ def load_target(cfg: TargetConfig, device: torch.device | str | None = None, tok
             except Exception as e:  # noqa: BLE001
                 raise TargetError(f"{path}: cannot load the target's tokenizer ({_first_line(e)})") from None
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), **kw)
+            model = _load_hf_model(path, kw)
         except Exception as e:  # noqa: BLE001
             raise TargetError(f"{path}: cannot load the target model ({_first_line(e)})") from None
     model.to(dev)
     model.eval()
     model.requires_grad_(False)
     target = Target(model, tokenizer, source=str(spec))
+    target.serving_dtype = serving_dtype_of(cfg)
     log.info("loaded %r in %.1fs", target, time.perf_counter() - t0)
     return target

@@ -413,7 +413,10 @@ class Trainer:
         saved = (manifest.get("meta") or {}).get("drafter_config")
         if isinstance(saved, dict):
             now = self.drafter_cfg.to_dict()
-            diff = [k for k in now if k in saved and json.dumps(saved[k]) != json.dumps(now[k])]
+            from dflash_train.model.drafter import SERVING_ONLY_FIELDS
+
+            diff = [k for k in now if k in saved and k not in SERVING_ONLY_FIELDS
+                    and json.dumps(saved[k], sort_keys=True) != json.dumps(now[k], sort_keys=True)]
             if diff:
                 k = diff[0]
                 raise TrainError(f"checkpoint {path} does not fit this drafter: {k} was {json.dumps(saved[k])}, "
