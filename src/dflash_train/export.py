@@ -410,15 +410,6 @@ def export_checkpoint(ckpt_or_run_dir: str | Path, out_dir: str | Path, force: b
         prov["tau"] = summary["tau"]
     facts = target_facts(src.target_path)
     cfg = follow_target(src.config, facts)
-    if facts is None and src.target_path and "serving_dtype" not in (src.meta.get("drafter_config") or {"serving_dtype": 1}):
-        # a checkpoint from before serving_dtype was recorded, its target not readable as a HF dir here
-        # (GGUF, embedded, moved): the engines' usual dtype for it
-        import dataclasses
-
-        from dflash_train.config import TargetConfig
-        from dflash_train.targets.model import serving_dtype_of
-
-        cfg = dataclasses.replace(cfg, serving_dtype=serving_dtype_of(TargetConfig(path=src.target_path)))
     readme = model_card(cfg, summary, src.target_path, name)
     return write_export(cfg, src.state_dict, out, force=force, provenance=prov, readme=readme, target=facts)
 

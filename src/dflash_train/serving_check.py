@@ -40,9 +40,14 @@ ENGINES_WITHOUT_EMBED_SCALE = "SGLang (--speculative-algorithm DFLASH) and vLLM 
 
 
 def target_facts(target_path: str | None) -> dict[str, Any] | None:
-    """What the check needs from the target's config.json (a local HF directory), else None."""
-    if not target_path or target_path.startswith("embedded:") or target_path.lower().endswith(".gguf"):
+    """What the check needs from the target's config.json (a local HF directory); for a GGUF or
+    embedded target only its serving dtype (bfloat16: what the engines' ``--dtype auto`` picks for
+    the original checkpoints); None when unknown."""
+    if not target_path:
         return None
+    if target_path.startswith("embedded:") or target_path.lower().endswith(".gguf"):
+        return {"path": str(target_path), "hidden_size": None, "vocab_size": None, "num_hidden_layers": None,
+                "max_position_embeddings": None, "dtype": "bfloat16"}
     cj = Path(target_path).expanduser() / "config.json"
     try:
         mc = json.loads(cj.read_text())
