@@ -69,9 +69,9 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         if self.rope_parameters is None:
             self.rope_parameters = R.default_rope(self.rope_theta)
-        else:
-            self.rope_parameters = dict(self.rope_parameters)
-            self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
+        # sorted keys: the same dict whether built here or read back from a manifest (compared as JSON)
+        self.rope_parameters = dict(sorted(self.rope_parameters.items()))
+        self.rope_theta = float(self.rope_parameters.get("rope_theta", self.rope_theta))
         if self.rope_parameters.get("rope_type", "default") not in R.SUPPORTED_TYPES:
             raise ValueError(f"unsupported rope_type {self.rope_parameters.get('rope_type')!r}")
         if self.serving_dtype not in ("float32", "bfloat16", "float16"):
