@@ -246,3 +246,14 @@ def test_old_checkpoint_of_a_gguf_target_exports_bf16(tmp_path):
 
     out = export_checkpoint(run, tmp_path / "e")
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_cli_export_of_a_gemma_drafter_warns_on_stderr(tmp_path, bf16_target):
+    t = load_target(TargetConfig(path=str(bf16_target), device="cpu", dtype="float32"))
+    cfg = DrafterConfig.from_target(ModelConfig(num_layers=1, block_size=8), t)
+    cfg.input_embedding_scale = 8.0  # as a Gemma target's sqrt(hidden_size)
+    run = _run_with_checkpoint(tmp_path, bf16_target, cfg)
+    r = _export_cli(run, tmp_path / "g")
+    assert r.returncode == 0, r.stderr
+    assert "WARNING:" in r.stderr and "SGLang" in r.stderr and "vLLM" in r.stderr and "UNSCALED" in r.stderr
+    assert "WARNING: engine compatibility" in (tmp_path / "g" / "README.md").read_text()
