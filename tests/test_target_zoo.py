@@ -14,7 +14,9 @@ docs/target-families.md is the table of what this covers.
 """
 from __future__ import annotations
 
+import json
 import logging
+import math
 
 import pytest
 import torch
@@ -111,9 +113,11 @@ def test_family(family, tmp_path, caplog):
                             "data.max_tokens=48", "data.heldout_fraction=0.0", f"data.cache_dir={tmp_path / 'dc'}",
                             "model.num_layers=1", "model.block_size=4", f"model.target_layer_ids={LAYERS}",
                             "train.max_steps=2", "train.batch_size=2", "train.num_anchors=4", "eval.every_steps=0",
-                            "logging.tensorboard=false", "logging.progress=plain", "checkpoint.every_steps=2",
+                            "logging.tensorboard=false", "logging.every_steps=1", "logging.progress=plain", "checkpoint.every_steps=2",
                             "target.device=cpu", "train.device=cpu"])
     assert run_training(rc, tmp_path / "run", resume="never", argv=["test"], target=t) == 0
+    recs = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
     out = export_checkpoint(tmp_path / "run", tmp_path / "export")
     problems, warnings = check_export(out, target_facts(str(tdir)))
     assert problems == []
