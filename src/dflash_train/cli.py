@@ -60,9 +60,10 @@ def train(
 
         # without --config an existing run dir's own config.yaml is the base (README "Resuming")
         cfg, rd, origin = load_run_config(config, overrides or [], run_dir)
+        from dflash_train.eval.in_training import HeldoutEval
         from dflash_train.train.run import run_training
 
-        code = run_training(cfg, rd, resume=resume, argv=sys.argv, config_origin=origin)
+        code = run_training(cfg, rd, resume=resume, argv=sys.argv, config_origin=origin, evaluator=HeldoutEval(cfg))
         raise typer.Exit(code)
 
     _guard(go)

@@ -100,6 +100,7 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
     from dflash_train.report import write_report
     from dflash_train.targets import load_target
+    from dflash_train.eval.in_training import HeldoutEval
     from dflash_train.train.run import run_training
 
     run_dir = Path(run_dir)
@@ -125,7 +126,8 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     console.print(f"data ready in {time.perf_counter() - t0:.0f}s")
 
     t0 = _phase(3, f"train: online pipeline, budget {cfg.train.max_seconds:.0f}s / {cfg.train.max_steps} steps")
-    code = run_training(cfg, run_dir, resume="auto", argv=["dflash-train", "demo"], target=target)
+    code = run_training(cfg, run_dir, resume="auto", argv=["dflash-train", "demo"], target=target,
+                        evaluator=HeldoutEval(cfg))
     train_seconds = time.perf_counter() - t0
     if code != 0:
         console.print(f"[red]training ended with exit code {code}; see {run_dir / 'logs' / 'train.log'}")

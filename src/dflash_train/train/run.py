@@ -71,9 +71,11 @@ def _to_log_file(level: int, msg: str, exc_info: bool = False) -> None:
 
 
 def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list[str] | None = None,
-                 target=None, config_origin: str | None = None) -> int:
+                 target=None, config_origin: str | None = None, evaluator=None) -> int:
     """Train; returns the process exit code. `target`: an already loaded Target to reuse (demo).
-    `config_origin`: where `cfg` came from, for the log."""
+    `config_origin`: where `cfg` came from, for the log. `evaluator`: the in-training eval run
+    every eval.every_steps (eval.in_training.HeldoutEval: pick_prompts + measure); without
+    one, eval.every_steps only logs that there is none."""
     from dflash_train.config import ConfigError
     from dflash_train.train import distributed as dd
 
@@ -81,7 +83,7 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list
     try:
         if ctx.is_target_rank:
             return dd.serve_target_rank(cfg, Path(run_dir), ctx)
-        code = Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx, target, config_origin).run()
+        code = Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx, target, config_origin, evaluator).run()
     except (ConfigError, UserError, FileNotFoundError) as e:
         # a user mistake: the CLI prints it as one line; the run's log keeps it too
         _to_log_file(logging.ERROR, f"error: {e}")
@@ -104,8 +106,9 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list
 
 class Trainer:
     def __init__(self, cfg: RunConfig, run_dir: Path, resume: str, argv: list[str], ctx, target=None,
-                 config_origin: str | None = None) -> None:
+                 config_origin: str | None = None, evaluator=None) -> None:
         self.cfg = cfg
+        self.evaluator = evaluator
         self.config_origin = config_origin
         self.num_anchors = cfg.train.num_anchors
         self._resume_path: Path | None = None
@@ -340,13 +343,15 @@ class Trainer:
     def _pick_eval_prompts(self, tok_source) -> None:
         """At start-up: the held-out prompts of the in-training eval. None usable -> the
         eval is disabled with a warning (never an error: it must not end a run)."""
-        from dflash_train.eval.prompts import pick_eval_prompts
-
         cfg = self.cfg
         if not (self.is_leader and cfg.eval.every_steps):
             return
+        if self.evaluator is None:
+            self._eval_disabled = "no evaluator was given to run_training"
+            log.warning("in-training eval disabled: %s", self._eval_disabled)
+            return
         try:
-            prompts = pick_eval_prompts(self.data.heldout, cfg.eval.num_prompts, tok_source, cfg.data.max_tokens)
+            prompts = self.evaluator.pick_prompts(self.data.heldout, tok_source, cfg.data.max_tokens)
         except Exception as e:  # noqa: BLE001 - eval problems never end a run
             prompts = []
             why = f"cannot format held-out prompts ({type(e).__name__}: {e})"
@@ -688,8 +693,6 @@ class Trainer:
         return _null()
 
     def _in_training_eval(self, metrics) -> None:
-        from dflash_train.eval.command import evaluate_tau
-
         if not self.is_leader or self._eval_disabled:
             self._mark_best_if(False)
             return
@@ -702,9 +705,7 @@ class Trainer:
         log.info("eval at step %d: %d held-out prompts", self.state.step, len(prompts))
         self.drafter.eval()
         try:
-            res = evaluate_tau(self.drafter, self.target, prompts, self.cfg.eval.max_new_tokens,
-                               self.cfg.eval.temperature, seed=self.cfg.train.seed, measure_plain=False,
-                               measure_ngram=not self._ngram_measured)
+            res = self.evaluator.measure(self.drafter, self.target, prompts, measure_ngram=not self._ngram_measured)
         except Exception as e:  # noqa: BLE001 - an eval that cannot run never ends the run
             log.warning("eval at step %d could not run and was skipped (training continues): %s: %s",
                         self.state.step, type(e).__name__, e)
