@@ -68,7 +68,7 @@ def greedy_outputs(target, prompts, max_new_tokens, cache: Path) -> list[tuple[l
 
 def training_outputs(tokenizer_target, regenerated: Path, n: int) -> list[tuple[list[int], int]]:
     """The first n regenerated conversations as (prompt + answer ids, prompt length)."""
-    convs, _ = read_conversations(str(regenerated), n)
+    convs, _ = read_conversations(f"jsonl:{regenerated}", n)
     convs = convs[:n]
     ids, _ = encode_prompts(tokenizer_target, [c.prompt for c in convs])
     out = []
