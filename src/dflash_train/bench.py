@@ -125,7 +125,8 @@ def _peak_memory(dev: torch.device) -> int:
 def run_bench(device: str = "cpu", shape_name: str = "small", steps: int = 3, dtype_name: str | None = None,
               log=print) -> BenchResult:
     from dflash_train.config import ModelConfig, TrainConfig
-    from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash_train.model.dflash2 import build_drafter
+    from dflash_train.model.drafter import DrafterConfig
     from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer
     from dflash_train.pipeline.batch import TrainBatch
     from dflash_train.pipeline.stages import Pipeline
@@ -148,7 +149,7 @@ def run_bench(device: str = "cpu", shape_name: str = "small", steps: int = 3, dt
     target = random_target(shape, dev, dtype)
     mcfg = ModelConfig(num_layers=shape["draft_layers"], block_size=shape["block"])
     dcfg = DrafterConfig.from_target(mcfg, target)
-    drafter = DFlashDrafter(dcfg, seed=0).to(dev)
+    drafter = build_drafter(dcfg, seed=0).to(dev)
     tcfg = TrainConfig()  # the step training runs, with the default loss / optimizer settings
     opt = make_optimizer(drafter, tcfg)
     B, T = shape["batch"], shape["seq"]

@@ -48,9 +48,20 @@ class ModelConfig(_Section):
     rope_theta: float | None = Field(None, gt=0)
     max_position_embeddings: int | None = Field(None, ge=16)
     init_std: float = Field(0.02, gt=0)
+    # dflash | dflash2 (model/dflash2.py: block-local dynamic convolutions + candidate selector)
+    architecture: Literal["dflash", "dflash2"] = "dflash"
+    # dflash2 only, named as the reference DFlash2DraftModel names them; None -> 2, 16, 256, 16
+    conv_kernel_size: int | None = Field(None, ge=1, le=16)
+    conv_group_size: int | None = Field(None, ge=1)
+    selector_rank: int | None = Field(None, ge=1)
+    selector_top_k: int | None = Field(None, ge=1, le=1024)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
+        if self.architecture != "dflash2":
+            for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"model.{key} applies to model.architecture: dflash2 only")
         if len(self.layer_types) not in (1, self.num_layers):
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries; give 1 or num_layers={self.num_layers}"
@@ -123,6 +134,8 @@ class TrainConfig(_Section):
     max_consecutive_skips: int = Field(5, ge=1)
     # wall-clock budget; 0 = none. Stops like a signal: at a step boundary, with a checkpoint.
     max_seconds: float = Field(0, ge=0)
+    # DFlash 2: weight alpha of the selector's K-way cross-entropy added to the DFlash loss
+    selector_loss_weight: float = Field(1.0, ge=0)
 
 
 class PipelineConfig(_Section):

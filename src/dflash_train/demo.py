@@ -97,7 +97,8 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     from dflash_train.data.regenerate import regenerate_conversations
     from dflash_train.eval.prompts import pick_eval_prompts
     from dflash_train.export import export_checkpoint, resolve_drafter_source
-    from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash_train.model.dflash2 import build_drafter
+    from dflash_train.model.drafter import DrafterConfig
     from dflash_train.report import write_report
     from dflash_train.targets import load_target
     from dflash_train.eval.in_training import HeldoutEval
@@ -136,9 +137,9 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     t0 = _phase(4, f"eval: tau by real speculative decoding, {len(prompts)} held-out prompts, "
                    f"{cfg.eval.max_new_tokens} new tokens each")
     src = resolve_drafter_source(run_dir)
-    trained = DFlashDrafter(src.config, seed=cfg.train.seed)
+    trained = build_drafter(src.config, seed=cfg.train.seed)
     trained.load_state_dict(src.state_dict)
-    untrained = DFlashDrafter(DrafterConfig.from_dict(src.config.to_dict()), seed=cfg.train.seed)
+    untrained = build_drafter(DrafterConfig.from_dict(src.config.to_dict()), seed=cfg.train.seed)
     res_trained = _eval(trained.eval(), target, prompts, cfg, True, "trained", measure_ngram=True)
     res_untrained = _eval(untrained.eval(), target, prompts, cfg, False, "untrained")
     console.print(f"tau trained {res_trained['tau']:.3f} vs untrained {res_untrained['tau']:.3f} vs prompt lookup "

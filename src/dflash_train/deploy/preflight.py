@@ -271,7 +271,8 @@ def _check_checkpoint(v: Verdict, name: str, ckpt: Path) -> bool:
         import torch
         from safetensors import safe_open
 
-        from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
+        from dflash_train.model.dflash2 import build_drafter
+        from dflash_train.model.drafter import DrafterConfig
     except BaseException as e:  # noqa: BLE001
         return v.add("checkpoint", False, f"the new code has no usable drafter (dflash_train.model.drafter): {_short_exc(e)}")
     try:
@@ -280,7 +281,7 @@ def _check_checkpoint(v: Verdict, name: str, ckpt: Path) -> bool:
         return v.add("checkpoint", False, f"the checkpoint's drafter_config does not fit the new DrafterConfig: {_short_exc(e)}")
     try:
         with torch.device("meta"):
-            model = DFlashDrafter(dcfg)
+            model = build_drafter(dcfg)
     except BaseException as e:  # noqa: BLE001
         return v.add("checkpoint", False, f"the new DFlashDrafter cannot be built from the checkpoint's config: {_short_exc(e)}")
     want = {k: tuple(t.shape) for k, t in model.state_dict().items()}

@@ -288,7 +288,7 @@ def eval_command(
     """`dflash-train eval`: load drafter + target, run `evaluate_tau`, print a table or one JSON object."""
     from dflash_train.config import TargetConfig
     from dflash_train.export import resolve_drafter_source
-    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.dflash2 import build_drafter
     from dflash_train.targets import load_target
 
     if num_prompts < 1:
@@ -315,7 +315,7 @@ def eval_command(
         raise _err(f"drafter {src.path} (hidden {src.config.hidden_size}, target layers "
                    f"{src.config.target_layer_ids}) does not fit target {target_path} "
                    f"(hidden {tgt.hidden_size}, {tgt.num_layers} layers)")
-    model = DFlashDrafter(src.config, seed=seed)
+    model = build_drafter(src.config, seed=seed)
     if not untrained:
         missing, unexpected = model.load_state_dict(src.state_dict, strict=False)
         if missing or unexpected:

@@ -38,6 +38,10 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 # a resume may see them change (e.g. the target re-saved in another dtype)
 SERVING_ONLY_FIELDS = ("serving_dtype", "max_position_embeddings")
 
+# DFlash 2 (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) when not given:
+# two taps, 16-channel groups, rank 256 over the top 16, as the published DFlash 2 checkpoints
+DFLASH2_DEFAULTS = (2, 16, 256, 16)
+
 
 @dataclass
 class DrafterConfig:
@@ -65,8 +69,15 @@ class DrafterConfig:
     rope_parameters: dict[str, Any] | None = None
     # the dtype the engines serve the drafter in = the target's own dtype on disk (export writes it)
     serving_dtype: str = "float32"
+    # "dflash" | "dflash2" (model/dflash2.py); the four DFlash 2 keys are None for "dflash"
+    architecture: str = "dflash"
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_architecture()
         if self.rope_parameters is None:
             self.rope_parameters = R.default_rope(self.rope_theta)
         # sorted keys: the same dict whether built here or read back from a manifest (compared as JSON)
@@ -93,6 +104,25 @@ class DrafterConfig:
         if bad:
             raise ValueError(f"target_layer_ids {bad} outside 0..{self.num_target_layers - 1}")
 
+    def _check_architecture(self) -> None:
+        dflash2_keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        if self.architecture == "dflash":
+            set_keys = [k for k in dflash2_keys if getattr(self, k) is not None]
+            if set_keys:
+                raise ValueError(f"{', '.join(set_keys)} apply to architecture dflash2 only")
+        elif self.architecture == "dflash2":
+            for k, default in zip(dflash2_keys, DFLASH2_DEFAULTS):
+                if getattr(self, k) is None:
+                    setattr(self, k, default)
+                if int(getattr(self, k)) < 1:
+                    raise ValueError(f"{k} must be >= 1")
+            if self.hidden_size % self.conv_group_size:
+                raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of conv_group_size {self.conv_group_size}")
+            if self.vocab_size and self.selector_top_k > self.vocab_size:
+                raise ValueError(f"selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}")
+        else:
+            raise ValueError(f"unknown architecture {self.architecture!r}: dflash or dflash2")
+
     @property
     def num_context_layers(self) -> int:
         return len(self.target_layer_ids)
@@ -118,8 +148,11 @@ class DrafterConfig:
             "output_multiplier": self.output_multiplier,
             "final_logit_softcapping": self.final_logit_softcapping,
         }
+        if self.architecture == "dflash2":  # the keys the reference DFlash2DraftModel reads
+            for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                dflash[k] = int(getattr(self, k))
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": ["DFlash2DraftModel" if self.architecture == "dflash2" else "DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
@@ -150,7 +183,11 @@ class DrafterConfig:
         """Inverse of hf_config_dict (reads an exported config.json)."""
         df = d.get("dflash_config", {})
         rope = d.get("rope_parameters") or {}
+        dflash2 = "DFlash2DraftModel" in (d.get("architectures") or [])
         return cls(
+            architecture="dflash2" if dflash2 else "dflash",
+            **{k: (int(df[k]) if dflash2 and k in df else None)
+               for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")},
             hidden_size=d["hidden_size"], num_layers=d["num_hidden_layers"], num_heads=d["num_attention_heads"],
             num_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
             head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
@@ -201,6 +238,9 @@ class DrafterConfig:
                 logging.getLogger(__name__).warning("drafter RoPE: %s", note)
         serving = getattr(target, "serving_dtype", None) or str(target.dtype).replace("torch.", "")
         return cls(
+            architecture=getattr(model_cfg, "architecture", "dflash"),
+            **{k: getattr(model_cfg, k, None)
+               for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")},
             hidden_size=H,
             num_layers=model_cfg.num_layers,
             num_heads=int(num_heads),
@@ -389,18 +429,24 @@ class DrafterCache:
 
 
 class DFlashDrafter(nn.Module):
+    layer_class = Layer  # DFlash 2 (model/dflash2.py) swaps in its layer with convolutions
+
     def __init__(self, cfg: DrafterConfig, seed: int | None = 0, generator: torch.Generator | None = None):
         super().__init__()
         self.cfg = cfg
         H, K = cfg.hidden_size, cfg.num_context_layers
-        self.layers = nn.ModuleList([Layer(cfg, lt) for lt in cfg.layer_types])
+        self.layers = nn.ModuleList([self.layer_class(cfg, lt) for lt in cfg.layer_types])
         self.fc = nn.Linear(K * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
+        self.build_extra_modules(cfg)
         if generator is None:
             generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
         self.init_weights(generator)
+
+    def build_extra_modules(self, cfg: DrafterConfig) -> None:
+        """Modules registered after the backbone (DFlash 2: the candidate selector)."""
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:

@@ -269,7 +269,8 @@ class Trainer:
         from types import SimpleNamespace
 
         from dflash_train.data import load_prepared
-        from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
+        from dflash_train.model.dflash2 import build_drafter
+        from dflash_train.model.drafter import DrafterConfig
         from dflash_train.targets import load_target, load_tokenizer
 
         cfg = self.cfg
@@ -296,7 +297,7 @@ class Trainer:
                  self.target.vocab_size, self.target.mask_token_id)
         self.drafter_cfg = DrafterConfig.from_target(cfg.model, self.target)
         torch.manual_seed(cfg.train.seed)
-        self.drafter = DFlashDrafter(self.drafter_cfg, seed=cfg.train.seed).to(self.device)
+        self.drafter = build_drafter(self.drafter_cfg, seed=cfg.train.seed).to(self.device)
         n_params = sum(p.numel() for p in self.drafter.parameters())
         log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d",
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,

@@ -1,0 +1,173 @@
+"""DFlash 2: the DFlash drafter plus block-local dynamic convolutions and a candidate selector.
+
+Numerically the same as the reference `dflash.model.DFlash2DraftModel` (PyPI dflash
+0.1.0), see tests/test_model_dflash2.py. On top of the DFlash backbone (drafter.py):
+
+- `GroupedDynamicCausalConv` before and after each attention and MLP sublayer:
+  out[t] = sum_j (base[j] + delta[t, j, group]) * x[t - j], j < conv_kernel_size, where
+  delta comes from one projection of the sublayer's (normed) input. It mixes a block
+  position with its predecessors. At inference the drafter only ever sees one block,
+  so in training, where many blocks are packed in one row, it runs on each block alone
+  (the row is viewed as [rows * blocks, bs, H]; taps never cross a block boundary).
+  Initialised as the identity, so a fresh DFlash 2 drafter computes what the DFlash 1
+  drafter of the same seed computes.
+- `CandidateSelector`: per block position t the unary top-k candidates b (logits U_t(b))
+  are re-scored S_t(a, b) = U_t(b) + <A(a) * Hp(h_t), B(b)> given the predecessor a, and
+  the path is chosen left to right from the anchor token (argmax at T = 0, sampled from
+  softmax(S / T) otherwise; those rows are the q of rejection sampling).
+
+State dict names are the reference's: layers.{i}.{attention,mlp}_conv.{base_kernel,
+kernel_projection.weight}, candidate_selector.{predecessor,successor}_codebook.weight,
+candidate_selector.hidden_projection.weight (export.py drops the codebooks' ".weight",
+as the reference checkpoints store them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.model.drafter import DFlashDrafter, DrafterConfig, Layer
+
+DFLASH2 = "dflash2"
+
+
+def grouped_dynamic_causal_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [N, L, H] (one block per row), delta [N, L, kernel, groups], base [kernel, H] -> [N, L, H].
+
+    Tap j multiplies x[t - j] (zero before the row start) by base[j] + delta[t, j] (one delta per group)."""
+    N, L, H = x.shape
+    groups = H // group_size
+    xg = x.view(N, L, groups, group_size)
+    out = torch.zeros_like(xg)
+    for j in range(base.shape[0]):
+        shifted = xg if j == 0 else F.pad(xg[:, :-j], (0, 0, 0, 0, j, 0))
+        w = base[j].view(1, 1, groups, group_size).to(x.dtype) + delta[:, :, j, :, None]
+        out = out + w * shifted
+    return out.view(N, L, H)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """Tap 0 of `base_kernel` (and half of the projection) runs before a sublayer (`prepare`),
+    tap 1 after it (`finish`); both deltas come from the sublayer's input."""
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"hidden_size {hidden_size} is not a multiple of conv_group_size {group_size}")
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    @torch.no_grad()
+    def reset_to_identity(self) -> None:
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
+        self.kernel_projection.weight.zero_()
+
+    def prepare(self, h: torch.Tensor, block_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, Q, H] (Q a multiple of block_len) -> (conv_pre(h), the post-sublayer delta)."""
+        B, Q, H = h.shape
+        hb = h.reshape(B * (Q // block_len), block_len, H)
+        delta = self.kernel_projection(hb).view(hb.shape[0], block_len, 2, self.kernel_size, self.groups)
+        out = grouped_dynamic_causal_conv(hb, delta[:, :, 0], self.base_kernel[0], self.group_size)
+        return out.view(B, Q, H), delta[:, :, 1]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        B, Q, H = y.shape
+        yb = y.reshape(delta.shape[0], delta.shape[1], H)
+        return grouped_dynamic_causal_conv(yb, delta, self.base_kernel[1], self.group_size).view(B, Q, H)
+
+
+class DFlash2Layer(Layer):
+    def __init__(self, cfg: DrafterConfig, layer_type: str):
+        super().__init__(cfg, layer_type)
+        self.block_size = cfg.block_size
+        self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def forward(self, x, q_rope, kv_rope, ctx_kv, mask):
+        # training: Q = A * bs (many blocks); inference: one block of n <= bs tokens
+        Q = x.shape[1]
+        L = min(Q, self.block_size)
+        if Q % L:
+            raise ValueError(f"{Q} block tokens are not whole blocks of {self.block_size}")
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x), L)
+        q = self.self_attn.q(h, *q_rope)
+        kb, vb = self.self_attn.kv(h, *kv_rope)
+        k = torch.cat([ctx_kv[0], kb], dim=2)
+        v = torch.cat([ctx_kv[1], vb], dim=2)
+        x = x + self.attention_conv.finish(self.self_attn.attend(q, k, v, mask), delta)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), L)
+        return x + self.mlp_conv.finish(self.mlp(h), delta)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        if not cfg.vocab_size:
+            raise ValueError("the DFlash 2 selector needs vocab_size")
+        self.top_k = int(cfg.selector_top_k)
+        self.predecessor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.successor_codebook = nn.Embedding(cfg.vocab_size, cfg.selector_rank)
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def pair_scores(self, projected: torch.Tensor, predecessor: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """<A(a) * Hp(h), B(b)>: projected [..., r], predecessor [...], candidates [..., K] -> [..., K] (fp32)."""
+        ctx = (self.predecessor_codebook(predecessor) * projected).float()
+        return torch.einsum("...r,...kr->...k", ctx, self.successor_codebook(candidates).float())
+
+    @torch.no_grad()
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float,
+               generator: torch.Generator | None = None):
+        """hidden [B, n, H], logits [B, n, V] of block positions 1..n, anchor_ids [B] ->
+        (path [B, n], candidates [B, n, K], q [B, n, K] or None at T = 0).
+
+        With the same logits and the same random draws (torch.multinomial, `generator` or the
+        global one) it picks what the reference `CandidateSelector.select` picks."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        projected = self.hidden_projection(hidden)
+        predecessor = anchor_ids
+        path, q_rows = [], []
+        for t in range(hidden.shape[1]):
+            scores = unary[:, t].float() + self.pair_scores(projected[:, t], predecessor, candidates[:, t])
+            if temperature > 0:
+                q = torch.softmax(scores / temperature, dim=-1)
+                index = torch.multinomial(q, 1, generator=generator)[:, 0]
+                q_rows.append(q)
+            else:
+                index = scores.argmax(-1)
+            predecessor = candidates[:, t].gather(-1, index[:, None])[:, 0]
+            path.append(predecessor)
+        q = torch.stack(q_rows, dim=1) if q_rows else None
+        return torch.stack(path, dim=1), candidates, q
+
+
+class DFlash2Drafter(DFlashDrafter):
+    layer_class = DFlash2Layer
+
+    def build_extra_modules(self, cfg: DrafterConfig) -> None:
+        self.candidate_selector = CandidateSelector(cfg)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """The backbone exactly as DFlash 1 draws it for the same generator (the convolutions
+        take no draws and start as the identity); then the selector (registered last), drawn
+        N(0, init_std): its pair term starts tiny, so the first path is ~ the unary argmax path."""
+        for name, p in self.named_parameters():
+            if "_conv." in name:
+                continue
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, self.cfg.init_std, generator=generator))
+        for layer in self.layers:
+            layer.attention_conv.reset_to_identity()
+            layer.mlp_conv.reset_to_identity()
+
+
+def build_drafter(cfg: DrafterConfig, seed: int | None = 0, generator: torch.Generator | None = None) -> DFlashDrafter:
+    """The drafter `cfg.architecture` names: DFlashDrafter ("dflash") or DFlash2Drafter ("dflash2")."""
+    cls = DFlash2Drafter if cfg.architecture == DFLASH2 else DFlashDrafter
+    return cls(cfg, seed=seed, generator=generator)
