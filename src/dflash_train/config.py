@@ -143,6 +143,9 @@ class PipelineConfig(_Section):
     num_target_workers: int = Field(1, ge=1, le=16)
     # under torchrun: how many ranks run the target (the rest train)
     target_ranks: int = Field(1, ge=0)
+    # under torchrun: ranks that hold ONE target together, tensor parallel (a divisor of target_ranks;
+    # target_ranks / target_tp_size targets serve in parallel). See docs/architecture.md "torchrun".
+    target_tp_size: int = Field(1, ge=1)
     # cache target features in memory across epochs (small CPU runs)
     cache_features: bool = False
 

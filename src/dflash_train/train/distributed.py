@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_train.config import ConfigError
 from dflash_train.pipeline.batch import TrainBatch
 from dflash_train.pipeline.stages import Pipeline, PipelineError, StageStats
 
@@ -47,9 +48,21 @@ class DistContext:
         self.distributed = world_size > 1
         self.num_target_ranks = cfg.pipeline.target_ranks if self.distributed else 0
         if self.distributed and not (1 <= self.num_target_ranks < world_size):
-            raise ValueError(
+            raise ConfigError(
                 f"pipeline.target_ranks={self.num_target_ranks} must leave at least one trainer rank "
                 f"and be >= 1 (world size {world_size})")
+        # tensor-parallel target groups: ranks [g*tp, (g+1)*tp) hold target g; g*tp (the group leader)
+        # serves the trainers, exactly as an unsharded target rank g would (same rows, same data order)
+        self.target_tp_size = cfg.pipeline.target_tp_size
+        if self.target_tp_size > 1 and not self.distributed:
+            raise ConfigError(f"pipeline.target_tp_size={self.target_tp_size} shards the target over target ranks "
+                              "under torchrun; a single process holds the whole target (set it to 1)")
+        if self.distributed and self.num_target_ranks % self.target_tp_size:
+            raise ConfigError(f"pipeline.target_ranks={self.num_target_ranks} is not a multiple of "
+                              f"pipeline.target_tp_size={self.target_tp_size} (each target group has "
+                              f"target_tp_size ranks; world size {world_size})")
+        self.num_target_groups = self.num_target_ranks // self.target_tp_size if self.distributed else 0
+        self.target_group = None  # this target rank's process group when target_tp_size > 1
         self.is_target_rank = self.distributed and rank < self.num_target_ranks
         self.trainer_ranks = list(range(self.num_target_ranks, world_size)) if self.distributed else [0]
         self.num_trainers = len(self.trainer_ranks)
@@ -70,7 +83,24 @@ class DistContext:
             torch.cuda.set_device(ctx.local_rank)
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
         ctx.trainer_group = dist.new_group(ctx.trainer_ranks)
+        if ctx.target_tp_size > 1:
+            # new_group is collective over the world: every rank creates every target group, in order
+            for g in range(ctx.num_target_groups):
+                ranks = list(range(g * ctx.target_tp_size, (g + 1) * ctx.target_tp_size))
+                group = dist.new_group(ranks)
+                if ctx.rank in ranks:
+                    ctx.target_group = group
         return ctx
+
+    def load_trainer_target(self, cfg, device: torch.device, tokenizer, load_target):
+        """The target a trainer rank needs: alone, the whole model (it captures); under torchrun the
+        embedding, lm_head and final norm only, except on the leader when the in-training eval runs
+        (speculative decoding needs the whole target there)."""
+        if self.distributed and not (self.is_leader and cfg.eval.every_steps):
+            from dflash_train.targets.head_only import load_head_only_target
+
+            return load_head_only_target(cfg.target, device, tokenizer)
+        return load_target(cfg.target, device=device, tokenizer=tokenizer)
 
     # ------------------------------------------------------------------ devices
     def trainer_device(self, default: torch.device) -> torch.device:
@@ -146,7 +176,11 @@ class DistContext:
 
     # ------------------------------------------------------------------ data
     def target_for(self, trainer_index: int) -> int:
-        return trainer_index % self.num_target_ranks
+        """The target (group) index serving trainer `trainer_index`; its leader's rank is `leader_of`."""
+        return trainer_index % self.num_target_groups
+
+    def leader_of(self, target_index: int) -> int:
+        return target_index * self.target_tp_size
 
     def make_pipeline(self, trainer):
         """The trainer's stream of batches: in-process pipeline, or a remote target rank."""
@@ -217,7 +251,7 @@ class RemotePipeline:
 
     def __init__(self, ctx: DistContext, trainer, resume_state) -> None:
         self.ctx = ctx
-        self.src = ctx.target_for(ctx.trainer_index)
+        self.src = ctx.leader_of(ctx.target_for(ctx.trainer_index))
         self.device = trainer.device
         self.feature_dtype = trainer.target.dtype
         self.stats = StageStats()
@@ -306,10 +340,22 @@ def serve_target_rank(cfg, run_dir: Path, ctx: DistContext) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setup_logging(run_dir, ctx.rank, leader=False)
     device = ctx.trainer_device(resolve_device(cfg.train.device))
-    target = load_target(cfg.target, device=device)
+    group = ctx.target_group  # None: this rank holds the whole target
+    if group is None:
+        target = load_target(cfg.target, device=device)
+    else:
+        from dflash_train.targets.sharded import follow_group_leader, shard_target
+
+        target = shard_target(load_target(cfg.target, device="cpu"), group, device)
+        leader = ctx.leader_of(ctx.rank // ctx.target_tp_size)
+        if ctx.rank != leader:
+            n = follow_group_leader(target, group, leader)
+            log.info("target rank %d: %d captures for group leader %d, done", ctx.rank, n, leader)
+            return 0
     layer_ids = DrafterConfig.from_target(cfg.model, target).target_layer_ids
     data = load_prepared(cfg, target.tokenizer, target.family)
-    t, T = ctx.rank, ctx.num_target_ranks
+    # the target (group) index and count: a group of target_tp_size ranks is ONE target here
+    t, T = ctx.rank // ctx.target_tp_size, ctx.num_target_groups
     rows = tuple(x[t::T] for x in (data.input_ids, data.loss_mask, data.document_ids))
     my_trainers = [r for i, r in enumerate(ctx.trainer_ranks) if i % T == t]
     log.info("target rank %d: %d rows, serving trainer ranks %s", ctx.rank, len(rows[0]), my_trainers)
@@ -327,6 +373,10 @@ def serve_target_rank(cfg, run_dir: Path, ctx: DistContext) -> int:
     order = DataOrder(len(rows[0]), cfg.train.seed + 7919 * t)
     if first_meta.get("resume"):
         order.load_state_dict(first_meta["resume"])
+    if group is not None:
+        from dflash_train.targets.sharded import GroupLeaderTarget
+
+        target = GroupLeaderTarget(target, group, ctx.rank)
     source = TargetBatchSource(rows, order, target, layer_ids, cfg.train.batch_size, cfg.pipeline.cache_features)
     pipe = Pipeline(source, cfg.pipeline.queue_depth, torch.device("cpu") if device.type == "cpu" else device,
                     num_workers=cfg.pipeline.num_target_workers).start()
@@ -357,5 +407,7 @@ def serve_target_rank(cfg, run_dir: Path, ctx: DistContext) -> int:
             first_round = False
     finally:
         pipe.close()
+        if group is not None:
+            target.stop()  # the group's other ranks leave follow_group_leader
     log.info("target rank %d: all trainers done", ctx.rank)
     return 0

@@ -289,8 +289,9 @@ class Trainer:
             self._cap_anchors(int(self.data.input_ids.shape[1]))
             self._pick_eval_prompts(SimpleNamespace(tokenizer=tokenizer, family=family))
         t0 = time.perf_counter()
-        self.target = self._given_target or load_target(cfg.target, device=self.ctx.target_device(self.device),
-                                                        tokenizer=tokenizer)
+        # under torchrun: the embedding / lm_head / final norm only (the target ranks run the decoder)
+        self.target = self._given_target or self.ctx.load_trainer_target(
+            cfg, self.ctx.target_device(self.device), tokenizer, load_target)
         self._check_target_fit(self.target.num_layers, self.target.vocab_size)
         log.info("target %s loaded in %.1fs: %d layers, hidden %d, vocab %d, mask token %d",
                  cfg.target.path, time.perf_counter() - t0, self.target.num_layers, self.target.hidden_size,
