@@ -12,6 +12,12 @@ Wire protocol (torch.distributed point-to-point on the world group):
                      loss_mask uint8[B,T], document_ids int32[B,T], features[B,T,F]
                      (target dtype), uint8[n] JSON {positions, order_state}
 Rows have a fixed length, so every message has a known size.
+
+Tensor-parallel target groups (pipeline.target_tp_size = G > 1): ranks [g*G, (g+1)*G) hold
+target g sharded (targets/sharded.py); only the leader g*G talks to trainers, as target
+rank g above, so "target t" below means target group t and T the number of groups. The
+leader broadcasts each capture to its group and stop at the end (GroupLeaderTarget).
+Trainer ranks load the target's head only (targets/head_only.py).
 """
 from __future__ import annotations
 
