@@ -171,3 +171,115 @@ def test_config_switch_and_its_errors():
         d[k] = None
     filled = DrafterConfig(**d)  # defaults of the published checkpoints
     assert (filled.conv_kernel_size, filled.conv_group_size, filled.selector_rank, filled.selector_top_k) == (2, 16, 256, 16)
+
+
+# --------------------------------------------------------------------------- training: selector loss, gradients, metrics
+
+
+def loss_setup(top_k=4, softcap=6.0, seed=0):
+    import torch.nn.functional as F  # noqa: F401
+    from test_model_fakes import FakeTarget, batch, packed_row
+
+    from dflash_train.model import sample_anchors
+
+    t = FakeTarget(vocab_size=V, hidden_size=H, embed_scale=H**0.5, output_multiplier=0.7,
+                   final_logit_softcapping=softcap, trainable=True)
+    cfg = our_config(("full_attention", "sliding_attention"), 3, selector_top_k=top_k, init_std=0.2)
+    d = build_drafter(cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # move everything off the identity / tiny init, so every term matters
+        for name, p in d.named_parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    ids, lm, docs = batch([packed_row([18, 14], 40, seed=1), packed_row([40], 40, seed=2)])
+    feats = torch.randn(2, 40, K * H, generator=torch.Generator().manual_seed(3))
+    anchors = sample_anchors(lm, docs, 9, BS, torch.Generator().manual_seed(0))
+    return t, d, ids, lm, docs, feats, anchors
+
+
+def naive_selector(d, t, ids, lm, docs, feats, anchors, gamma):
+    """Row by row from the definition: full logits, top-k, gold put in place of the weakest
+    candidate when missing, teacher-forced predecessor, plain CE; and the metrics."""
+    import torch.nn.functional as F
+
+    from dflash_train.model import make_blocks
+
+    sel = d.candidate_selector
+    block_ids, labels, weights, sup = make_blocks(ids, lm, docs, *anchors, BS, d.cfg.mask_token_id, gamma)
+    hid = d(t.embed(block_ids), *anchors, docs, features=feats, backend="sdpa")
+    B, A = anchors[0].shape
+    h = hid.view(B, A, BS, H)[:, :, 1:]
+    logits = t.logits(h)
+    num, den, hits, correct, rows, inserted = 0.0, 0.0, 0, 0, 0, 0
+    path_acc = arg_acc = blocks = 0
+    for b in range(B):
+        for a in range(A):
+            if sup[b, a].any():
+                blocks += 1
+            prev_tf = prev_walk = block_ids.view(B, A, BS)[b, a, 0]
+            walk_alive = arg_alive = True
+            for k in range(BS - 1):
+                y, w, s = labels[b, a, k], weights[b, a, k], bool(sup[b, a, k])
+                u, c = torch.topk(logits[b, a, k], sel.top_k)
+                proj = sel.hidden_projection(h[b, a, k])
+                pair = lambda p, cands: (sel.predecessor_codebook.weight[p] * proj) @ sel.successor_codebook.weight[cands].T
+                cl, ul = c.clone(), u.clone()
+                if y not in c:
+                    cl[-1], ul[-1] = y, logits[b, a, k, y]
+                    inserted += int(s)
+                scores = ul + pair(prev_tf, cl)
+                num = num + w * F.cross_entropy(scores[None], (cl == y).nonzero()[0])
+                den += float(w)
+                strict = u + pair(prev_tf, c)
+                rows += int(s)
+                hits += int(s and y in c)
+                correct += int(s and c[strict.argmax()] == y)
+                walk = c[(u + pair(prev_walk, c)).argmax()]
+                walk_alive = walk_alive and s and bool(walk == y)
+                arg_alive = arg_alive and s and bool(c[0] == y)
+                path_acc += int(walk_alive)
+                arg_acc += int(arg_alive)
+                prev_tf, prev_walk = y, walk
+    metrics = {"selector_topk_recall": hits / rows, "selector_accuracy": correct / rows,
+               "selector_path_tau": 1 + path_acc / blocks, "argmax_path_tau": 1 + arg_acc / blocks}
+    return num / den, metrics, inserted, rows - hits
+
+
+def test_selector_loss_and_metrics_match_a_naive_implementation_with_gold_insertion():
+    from dflash_train.model import dflash_loss
+    from dflash_train.model.dflash2 import selector_metrics
+
+    t, d, ids, lm, docs, feats, anchors = loss_setup(top_k=12)
+    gamma = 3.0
+    base = dflash_loss(d, t, ids, lm, docs, feats, 9, None, gamma=gamma, anchors=anchors, selector_loss_weight=0.0)
+    full = dflash_loss(d, t, ids, lm, docs, feats, 9, None, gamma=gamma, anchors=anchors, chunk_blocks=2,
+                       selector_loss_weight=0.5)
+    want, want_metrics, inserted, missing = naive_selector(d, t, ids, lm, docs, feats, anchors, gamma)
+    assert inserted > 3 and missing == inserted  # the gold-insertion path is exercised
+    assert missing < int(full.extra["sel_rows"])  # and the plain one too
+    torch.testing.assert_close(full.loss - base.loss, 0.5 * want, atol=1e-5, rtol=1e-5)
+    got_metrics = selector_metrics(full.extra)
+    for k, v in want_metrics.items():
+        assert abs(got_metrics[k] - v) < 1e-9, (k, got_metrics[k], v)
+    assert all(v.device.type == "cpu" and isinstance(v, torch.Tensor) for v in full.extra.values())
+
+
+def test_every_dflash2_parameter_gets_a_gradient_and_the_target_none():
+    from dflash_train.model import dflash_loss
+
+    t, d, ids, lm, docs, feats, anchors = loss_setup()
+    d2 = build_drafter(d.cfg, seed=0)  # a FRESH drafter: identity convolutions, small selector
+    for model in (d, d2):
+        model.zero_grad()
+        out = dflash_loss(model, t, ids, lm, docs, feats, 9, torch.Generator().manual_seed(0), chunk_blocks=2)
+        out.loss.backward()
+        for n, p in model.named_parameters():
+            assert p.grad is not None and p.grad.abs().sum() > 0, n
+    assert t.embedding.weight.grad is None and t.head.grad is None
+
+
+def test_vocab_subset_is_refused_for_dflash2():
+    from dflash_train.model import dflash_loss
+
+    t, d, ids, lm, docs, feats, anchors = loss_setup()
+    with pytest.raises(ValueError, match="vocab_subset cannot be used with model.architecture: dflash2"):
+        dflash_loss(d, t, ids, lm, docs, feats, 9, None, anchors=anchors, vocab_subset=torch.arange(20))

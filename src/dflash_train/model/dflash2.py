@@ -147,6 +147,10 @@ class CandidateSelector(nn.Module):
 class DFlash2Drafter(DFlashDrafter):
     layer_class = DFlash2Layer
 
+    def selector_loss(self, h, anchor_ids, labels, weights, supervised, head, chunk_rows):
+        """See the module-level selector_loss (model/loss.py calls it for DFlash 2 drafters)."""
+        return selector_loss(self.candidate_selector, h, anchor_ids, labels, weights, supervised, head, chunk_rows)
+
     def build_extra_modules(self, cfg: DrafterConfig) -> None:
         self.candidate_selector = CandidateSelector(cfg)
 
@@ -171,3 +175,100 @@ def build_drafter(cfg: DrafterConfig, seed: int | None = 0, generator: torch.Gen
     """The drafter `cfg.architecture` names: DFlashDrafter ("dflash") or DFlash2Drafter ("dflash2")."""
     cls = DFlash2Drafter if cfg.architecture == DFLASH2 else DFlashDrafter
     return cls(cfg, seed=seed, generator=generator)
+
+
+
+# --------------------------------------------------------------------------- training the selector
+
+# sums returned by selector_loss, accumulated over steps as device tensors and turned into
+# ratios only when a metrics line is written (selector_metrics)
+SELECTOR_SUMS = ("sel_loss", "sel_weight", "sel_rows", "sel_topk_hits", "sel_correct", "sel_blocks",
+                 "sel_path_accepted", "sel_argmax_accepted")
+
+
+@torch.no_grad()
+def unary_topk(h: torch.Tensor, labels: torch.Tensor, head, k: int, chunk_rows: int):
+    """(top-k logits sorted best first, their ids, the gold token's logit) of rows h [N, H]; chunk by
+    chunk as the DFlash loss, so [N, V] logits never exist at once. head = (W, mult, cap) of loss._head."""
+    W, mult, cap = head
+    N = h.shape[0]
+    values = torch.empty((N, k), dtype=torch.float32, device=h.device)
+    ids = torch.empty((N, k), dtype=torch.long, device=h.device)
+    gold = torch.empty((N,), dtype=torch.float32, device=h.device)
+    for s in range(0, N, chunk_rows):
+        e = min(N, s + chunk_rows)
+        z = F.linear(h[s:e].detach().to(W.dtype), W).float() * mult
+        if cap is not None:
+            z = torch.tanh(z / cap) * cap
+        values[s:e], ids[s:e] = torch.topk(z, k, dim=-1)
+        gold[s:e] = z.gather(1, labels[s:e, None])[:, 0]
+    return values, ids, gold
+
+
+def selector_loss(selector: CandidateSelector, h: torch.Tensor, anchor_ids: torch.Tensor, labels: torch.Tensor,
+                  weights: torch.Tensor, supervised: torch.Tensor, head, chunk_rows: int):
+    """The selector's K-way cross-entropy, teacher-forced, and its metrics (device tensors, no host sync).
+
+    h [B*A*n, H] drafter hidden of block positions 1..n (n = bs-1, grad flows through Hp(h));
+    anchor_ids [B, A]; labels / supervised [B, A, n]; weights [B*A*n] (the DFlash loss weights).
+    Row t of a block: candidates = the unary top-k (detached logits U); when the gold token is
+    missing it replaces the weakest candidate in the LOSS set only; predecessor = the gold token
+    before t (the anchor token for t = 1); loss = sum_w CE(U + pair, gold) / sum_w.
+    Metrics keep serving semantics (strict top-k): top-k recall, teacher-forced accuracy, and the
+    accepted length of the path the selector walks from the anchor vs the unary argmax path.
+    """
+    B, A, n = labels.shape
+    y = labels.reshape(-1)
+    sup = supervised.reshape(-1)
+    pred = torch.cat([anchor_ids[:, :, None], labels[:, :, :-1]], dim=2).reshape(-1)
+    unary, cand, gold = unary_topk(h, y, head, selector.top_k, chunk_rows)
+    hit = (cand == y[:, None]).any(-1)
+    cand_loss = cand.clone()
+    cand_loss[:, -1] = torch.where(hit, cand[:, -1], y)
+    unary_loss = unary.clone()
+    unary_loss[:, -1] = torch.where(hit, unary[:, -1], gold)
+    projected = selector.hidden_projection(h)
+    scores = unary_loss + selector.pair_scores(projected, pred, cand_loss)
+    gold_index = (cand_loss == y[:, None]).int().argmax(-1)
+    ce = F.cross_entropy(scores, gold_index, reduction="none")
+    loss_sum = (ce * weights).sum()
+    weight_sum = weights.sum()
+    loss = loss_sum / weight_sum.clamp(min=1e-12)
+    with torch.no_grad():
+        proj = projected.detach()
+        strict = unary + selector.pair_scores(proj, pred, cand)
+        correct = (cand.gather(1, strict.argmax(-1, keepdim=True))[:, 0] == y) & sup
+        # self-conditioned walk from the anchor token, per block (what serving does at T = 0)
+        u3, c3, p3 = unary.view(B * A, n, -1), cand.view(B * A, n, -1), proj.view(B * A, n, -1)
+        y2, s2 = y.view(B * A, n), sup.view(B * A, n)
+        prev = anchor_ids.reshape(-1)
+        ok = []
+        for t in range(n):
+            st = u3[:, t] + selector.pair_scores(p3[:, t], prev, c3[:, t])
+            prev = c3[:, t].gather(1, st.argmax(-1, keepdim=True))[:, 0]
+            ok.append((prev == y2[:, t]) & s2[:, t])
+        path_ok = torch.stack(ok, dim=1)
+        argmax_ok = (c3[:, :, 0] == y2) & s2
+        sums = {
+            "sel_loss": loss_sum.detach(), "sel_weight": weight_sum.detach(),
+            "sel_rows": sup.sum(), "sel_topk_hits": (hit & sup).sum(), "sel_correct": correct.sum(),
+            "sel_blocks": supervised.any(-1).sum(),
+            "sel_path_accepted": path_ok.long().cumprod(1).sum(), "sel_argmax_accepted": argmax_ok.long().cumprod(1).sum(),
+        }
+    return loss, sums
+
+
+def selector_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Ratios of accumulated selector sums (one host read): the metrics.jsonl fields of a DFlash 2 run."""
+    if not sums:
+        return {}
+    v = dict(zip(SELECTOR_SUMS, torch.stack([sums[k].double() for k in SELECTOR_SUMS]).tolist()))
+    rows, blocks = max(v["sel_rows"], 1.0), max(v["sel_blocks"], 1.0)
+    return {
+        "selector_loss": v["sel_loss"] / max(v["sel_weight"], 1e-12),
+        "selector_topk_recall": v["sel_topk_hits"] / rows,
+        "selector_accuracy": v["sel_correct"] / rows,
+        # accepted drafts + the bonus token per block, teacher-forced context, serving's walk
+        "selector_path_tau": 1.0 + v["sel_path_accepted"] / blocks,
+        "argmax_path_tau": 1.0 + v["sel_argmax_accepted"] / blocks,
+    }

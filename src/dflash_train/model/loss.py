@@ -14,7 +14,7 @@ tensor, no recompute, the softmax gradient written in place into the logits).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -42,6 +42,8 @@ class LossOutput:
     correct: torch.Tensor  # [bs-1] long: argmax == label among supervised positions, per block position k=1..bs-1
     count: torch.Tensor  # [bs-1] long: supervised positions per block position
     num_blocks: torch.Tensor  # scalar long: valid anchors
+    # DFlash 2: the selector's metric sums (model/dflash2.py SELECTOR_SUMS), device tensors
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def sample_anchors(
@@ -217,6 +219,7 @@ def dflash_loss(
     backend: str | None = None,
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_chunk_logits: int = 1 << 25,
+    selector_loss_weight: float = 1.0,
 ) -> LossOutput:
     """The DFlash training loss of one batch ([B, T] rows, features [B, T, K*H]).
 
@@ -266,6 +269,13 @@ def dflash_loss(
     weight_sum = flat_w.sum()
     # clamp: a batch with nothing supervised gives loss 0 (not NaN); the trainer can skip it
     loss = total / weight_sum.clamp(min=1e-12)
+    extra: dict[str, torch.Tensor] = {}
+    if hasattr(core, "selector_loss"):  # DFlash 2: + weight * the candidate selector's K-way CE
+        if vocab_subset is not None:
+            raise ValueError("train.vocab_subset cannot be used with model.architecture: dflash2 "
+                             "(the selector ranks the full vocabulary's top-k)")
+        sel, extra = core.selector_loss(h, block_ids.view(B, A, bs)[:, :, 0], labels, flat_w, supervised, head, rows)
+        loss = loss + selector_loss_weight * sel
     sup = supervised.view(B * A, bs - 1)
     corr = correct.view(B * A, bs - 1) & sup
     return LossOutput(
@@ -274,6 +284,7 @@ def dflash_loss(
         correct=corr.sum(0),
         count=sup.sum(0),
         num_blocks=valid.sum(),
+        extra=extra,
     )
 
 

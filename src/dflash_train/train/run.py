@@ -22,6 +22,7 @@ import torch
 from dflash_train.config import RunConfig, save_config
 from dflash_train.rundir import RunDirBusy, RunRecord, check_not_busy
 from dflash_train.train.state import TrainState, checkpoint_payload, restore_payload
+from dflash_train.model.dflash2 import selector_metrics
 from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer
 from dflash_train.utils import code_version, resolve_device
 
@@ -564,6 +565,7 @@ class Trainer:
         acc_count = torch.zeros(bs - 1, device=self.device)
         loss_sum = torch.zeros((), device=self.device)
         loss_n = 0
+        selector_sums: dict[str, torch.Tensor] = {}  # DFlash 2 (model/dflash2.py), on device until logged
         stop_reason = None
         self._last_saved = self.state.step
         try:
@@ -593,6 +595,8 @@ class Trainer:
                     step_loss += out.loss.detach() / cfg.train.grad_accum
                     acc_correct += out.correct.detach().float()
                     acc_count += out.count.detach().float()
+                    for k, v in out.extra.items():
+                        selector_sums[k] = selector_sums[k] + v if k in selector_sums else v.clone()
                     stats.add("trainer", busy=time.perf_counter() - t_busy)
                 t_busy = time.perf_counter()
                 grad_norm = clip_gradients(self.drafter, cfg.train.grad_clip)
@@ -643,6 +647,8 @@ class Trainer:
                     }
                     for k, a in enumerate(acc, start=1):
                         rec[f"acc_{k}"] = a
+                    rec.update(selector_metrics(selector_sums))
+                    selector_sums.clear()
                     rec.update(stats.snapshot_and_reset())
                     metrics.log(rec)
                     if self.record is not None:

@@ -28,6 +28,7 @@ def loss_and_backward(model, target, batch, train_cfg, num_anchors: int, generat
         model, target, batch.input_ids, batch.loss_mask, batch.document_ids, batch.features,
         num_anchors=num_anchors, generator=generator, gamma=train_cfg.loss_gamma,
         chunk_blocks=train_cfg.loss_chunk_blocks, vocab_subset=vocab_subset,
+        selector_loss_weight=getattr(train_cfg, "selector_loss_weight", 1.0),
     )
     (out.loss / grad_accum).backward()
     return out
