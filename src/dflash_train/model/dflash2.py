@@ -171,6 +171,21 @@ class DFlash2Drafter(DFlashDrafter):
             layer.mlp_conv.reset_to_identity()
 
 
+ARCHITECTURE_NAMES = {"dflash": "DFlash 1", DFLASH2: "DFlash 2"}
+
+
+def architecture_mismatch(saved: dict, now: DrafterConfig, where) -> str | None:
+    """The refusal line when a checkpoint's drafter (its manifest's drafter_config; older
+    manifests, without the key, hold DFlash 1) is another architecture than this run's."""
+    old = saved.get("architecture", "dflash")
+    if old == now.architecture:
+        return None
+    return (f"checkpoint {where} holds a {ARCHITECTURE_NAMES.get(old, old)} drafter (model.architecture: {old}) "
+            f"but this run builds a {ARCHITECTURE_NAMES.get(now.architecture, now.architecture)} drafter "
+            f"(model.architecture: {now.architecture}); resuming one as the other is refused: "
+            f"set model.architecture: {old} to resume it, or train {now.architecture} in a new --run-dir")
+
+
 def build_drafter(cfg: DrafterConfig, seed: int | None = 0, generator: torch.Generator | None = None) -> DFlashDrafter:
     """The drafter `cfg.architecture` names: DFlashDrafter ("dflash") or DFlash2Drafter ("dflash2")."""
     cls = DFlash2Drafter if cfg.architecture == DFLASH2 else DFlashDrafter

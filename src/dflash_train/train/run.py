@@ -420,6 +420,11 @@ class Trainer:
             raise TrainError(f"cannot resume: {e}") from None
         saved = (manifest.get("meta") or {}).get("drafter_config")
         if isinstance(saved, dict):
+            from dflash_train.model.dflash2 import architecture_mismatch
+
+            refused = architecture_mismatch(saved, self.drafter_cfg, path)
+            if refused:
+                raise TrainError(refused)
             now = self.drafter_cfg.to_dict()
             from dflash_train.model.drafter import SERVING_ONLY_FIELDS
 

@@ -1,0 +1,67 @@
+"""DFlash 2 training as a user runs it: `dflash-train train` with model.architecture=dflash2
+(real subprocesses, real signals, real files): selector metrics logged, SIGTERM + resume bit-exact,
+a DFlash 1 checkpoint refused as DFlash 2."""
+from __future__ import annotations
+
+import math
+import signal
+
+import pytest
+
+from trainrun import losses, metrics, run_train, signal_and_wait, start_train, tiny_overrides, wait_step
+
+DFLASH2 = {"model.architecture": "dflash2", "model.selector_rank": 8, "model.selector_top_k": 6,
+           "model.conv_group_size": 16, "train.selector_loss_weight": 0.5}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_factory, tmp_path_factory):
+    from conftest import write_tiny_jsonl
+
+    root = tmp_path_factory.mktemp("train2")
+    jsonl = write_tiny_jsonl(root / "conv.jsonl", n=40)
+    return tiny_target_factory("qwen3"), jsonl, root
+
+
+def test_dflash2_run_logs_selector_metrics_and_resumes_bit_exact(setup):
+    target, jsonl, root = setup
+    ref = root / "reference"
+    res = run_train(ref, tiny_overrides(target, jsonl, **DFLASH2))
+    assert res.returncode == 0, res.stdout + res.stderr
+    recs = [r for r in metrics(ref) if not r.get("eval")]
+    assert [r["step"] for r in recs] == list(range(1, 9))
+    for r in recs:
+        for key in ("selector_loss", "selector_topk_recall", "selector_accuracy", "selector_path_tau", "argmax_path_tau"):
+            assert math.isfinite(r[key]), key
+        assert 0 <= r["selector_accuracy"] <= r["selector_topk_recall"] <= 1 and r["selector_path_tau"] >= 1
+    rd = root / "stopped"
+    proc = start_train(rd, tiny_overrides(target, jsonl, **DFLASH2), root / "stopped.log", step_delay=0.3)
+    wait_step(rd, 3, proc)
+    assert signal_and_wait(proc, signal.SIGTERM) == 0, (root / "stopped.log").read_text()
+    assert max(losses(rd)) < 8, "the run finished before the signal; the test proves nothing"
+    res = run_train(rd, tiny_overrides(target, jsonl, **DFLASH2))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert losses(rd) == losses(ref)  # exact float equality, every step
+
+
+def test_dflash1_checkpoint_resumed_as_dflash2_is_refused(setup):
+    target, jsonl, root = setup
+    rd = root / "dflash1"
+    res = run_train(rd, tiny_overrides(target, jsonl, **{"train.max_steps": 4}))
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = run_train(rd, tiny_overrides(target, jsonl, **DFLASH2))
+    assert res.returncode == 2, res.stdout + res.stderr
+    err = res.stderr.strip().splitlines()
+    assert any("model.architecture" in line and '"dflash"' in line and '"dflash2"' in line for line in err), res.stderr
+    assert "Traceback" not in res.stderr
+    assert max(losses(rd)) == 4  # nothing trained, nothing lost
+
+
+def test_an_older_manifest_without_architecture_is_dflash1():
+    from dflash_train.model.dflash2 import architecture_mismatch
+    from test_model_dflash2 import our_config
+
+    now = our_config(("full_attention",), None)
+    msg = architecture_mismatch({"hidden_size": 32}, now, "runs/x/checkpoints/step-00000004")
+    assert "DFlash 1 drafter (model.architecture: dflash)" in msg and "DFlash 2 drafter (model.architecture: dflash2)" in msg
+    assert architecture_mismatch({"architecture": "dflash2"}, now, "x") is None
