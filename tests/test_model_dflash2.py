@@ -283,3 +283,49 @@ def test_vocab_subset_is_refused_for_dflash2():
     t, d, ids, lm, docs, feats, anchors = loss_setup()
     with pytest.raises(ValueError, match="vocab_subset cannot be used with model.architecture: dflash2"):
         dflash_loss(d, t, ids, lm, docs, feats, 9, None, anchors=anchors, vocab_subset=torch.arange(20))
+
+
+# --------------------------------------------------------------------------- export
+
+
+def test_export_loads_in_the_reference_dflash2_model(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from dflash_train.export import load_export, write_export
+    from dflash_train.report import model_card
+
+    layer_types = ("full_attention", "sliding_attention")
+    ref0 = reference_model(layer_types, 5, seed=9)
+    ours = ours_from(ref0, layer_types, 5)
+    out = write_export(ours.cfg, ours.state_dict(), tmp_path / "export")
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["DFlash2DraftModel"]
+    assert {k: c["dflash_config"][k] for k in DF2} == DF2
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    # the published checkpoints' names (codebooks without ".weight")
+    assert {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+            "candidate_selector.hidden_projection.weight", "layers.1.mlp_conv.base_kernel"} <= names
+    from dflash.model import DFlash2DraftModel
+
+    ref, info = DFlash2DraftModel.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ref.eval()
+    assert ref.candidate_selector.top_k == DF2["selector_top_k"]
+    g = torch.Generator().manual_seed(10)
+    feats = torch.randn(1, CTX, K * H, generator=g)
+    noise = torch.randn(1, BS, H, generator=g)
+    with torch.no_grad():
+        want = ref(position_ids=torch.arange(CTX + BS)[None], noise_embedding=noise, target_hidden=feats)
+        cache = ours.new_cache()
+        ours.extend_context(cache, feats, 0)
+        torch.testing.assert_close(ours.draft_block(cache, noise, CTX), want, atol=1e-5, rtol=1e-5)
+    cfg2, sd2 = load_export(out)  # and back
+    assert cfg2.architecture == "dflash2" and {k: getattr(cfg2, k) for k in DF2} == DF2
+    assert set(sd2) == set(ours.state_dict())
+    back = build_drafter(cfg2)
+    back.load_state_dict(sd2, strict=True)
+    card = model_card(ours.cfg, {}, None, "x")
+    assert "DFlash2DraftModel.from_pretrained" in card and "#35371" in card and "#52816" in card

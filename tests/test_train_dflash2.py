@@ -23,11 +23,18 @@ def setup(tiny_target_factory, tmp_path_factory):
     return tiny_target_factory("qwen3"), jsonl, root
 
 
-def test_dflash2_run_logs_selector_metrics_and_resumes_bit_exact(setup):
+@pytest.fixture(scope="module")
+def reference(setup):
     target, jsonl, root = setup
-    ref = root / "reference"
-    res = run_train(ref, tiny_overrides(target, jsonl, **DFLASH2))
+    rd = root / "reference"
+    res = run_train(rd, tiny_overrides(target, jsonl, **DFLASH2))
     assert res.returncode == 0, res.stdout + res.stderr
+    return rd
+
+
+def test_dflash2_run_logs_selector_metrics_and_resumes_bit_exact(setup, reference):
+    target, jsonl, root = setup
+    ref = reference
     recs = [r for r in metrics(ref) if not r.get("eval")]
     assert [r["step"] for r in recs] == list(range(1, 9))
     for r in recs:
@@ -65,3 +72,22 @@ def test_an_older_manifest_without_architecture_is_dflash1():
     msg = architecture_mismatch({"hidden_size": 32}, now, "runs/x/checkpoints/step-00000004")
     assert "DFlash 1 drafter (model.architecture: dflash)" in msg and "DFlash 2 drafter (model.architecture: dflash2)" in msg
     assert architecture_mismatch({"architecture": "dflash2"}, now, "x") is None
+
+
+def test_export_of_a_dflash2_run_loads_in_the_reference(reference, tmp_path):
+    """`dflash-train export RUN --out DIR` on a trained DFlash 2 run; the reference loads it."""
+    import subprocess
+    import sys
+
+    from trainrun import REPO, env
+
+    rd = reference
+    out = tmp_path / "export"
+    res = subprocess.run([sys.executable, "-m", "dflash_train.cli", "export", str(rd), "--out", str(out)],
+                         capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    from dflash.model import DFlash2DraftModel
+
+    ref, info = DFlash2DraftModel.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert "DFlash 2" in (out / "README.md").read_text()

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dflash_train.checkpoint.source import DrafterSource, clean_state_dict, resolve_checkpoint_source
+from dflash_train.model.dflash2 import export_shapes, from_export_names, to_export_names
 from dflash_train.report import model_card, run_summary
 from dflash_train.rundir import MANIFEST_FILE
 from dflash_train.serving_check import target_facts
@@ -102,6 +103,10 @@ def hf_config_dict(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         out["rope_scaling"] = rope  # what SGLang's get_rope_config and transformers 4.x read
     if float(cfg.output_multiplier) != 1.0:
         out["logit_scale"] = float(cfg.output_multiplier)  # vLLM's DFlash LogitsProcessor scale
+    if getattr(cfg, "architecture", "dflash") == "dflash2":  # what the reference DFlash2DraftModel reads
+        out["architectures"] = ["DFlash2DraftModel"]
+        for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            dflash[k] = int(getattr(cfg, k))
     if extra:
         out["dflash_train"] = extra
     return out
@@ -130,7 +135,11 @@ def drafter_config_from_hf(d: dict[str, Any], where: str = CONFIG_FILE):
             raise KeyError("dflash_config.mask_token_id")
         softcap = pick("final_logit_softcapping")
         sliding = "sliding_attention" in layer_types
+        dflash2 = "DFlash2DraftModel" in (d.get("architectures") or [])
         return DrafterConfig(
+            architecture="dflash2" if dflash2 else "dflash",
+            **{k: (int(pick(k)) if dflash2 and pick(k) is not None else None)
+               for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")},
             hidden_size=hidden,
             num_layers=n_layers,
             num_heads=heads,
@@ -193,7 +202,7 @@ def load_export_source(path: Path) -> DrafterSource:
         raise _err(f"{wf}: cannot load: {e}") from None
     prov = d.get("dflash_train") or {}
     return DrafterSource(
-        kind="export", path=path, config=cfg, state_dict=clean_state_dict(sd), step=prov.get("step"),
+        kind="export", path=path, config=cfg, state_dict=from_export_names(clean_state_dict(sd)), step=prov.get("step"),
         target_path=prov.get("target_path"), meta=prov,
     )
 
@@ -338,7 +347,7 @@ def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, 
 
     given = Path(out_dir)
     out = check_out_dir(given, force)
-    sd = clean_state_dict(state_dict)
+    sd = to_export_names(clean_state_dict(state_dict))
     dtype = getattr(torch, cfg.serving_dtype)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in sd.items()}
     _validate_tensors(cfg, tensors)
@@ -378,7 +387,7 @@ def expected_tensor_names(cfg) -> list[str]:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    return names + ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    return names + ["fc.weight", "hidden_norm.weight", "norm.weight"] + list(export_shapes(hf_config_dict(cfg)))
 
 
 def _validate_tensors(cfg, tensors: dict[str, torch.Tensor]) -> None:

@@ -251,6 +251,12 @@ def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str)
     warning = embedding_scale_warning(float(cfg.input_embedding_scale))
     if warning:
         lines += ["", "## WARNING: engine compatibility", "", f"- **{warning}**"]
+    reference_class = "DFlashDraftModel"
+    if getattr(cfg, "architecture", "dflash") == "dflash2":
+        from dflash_train.model.dflash2 import SERVING_NOTE
+
+        reference_class = "DFlash2DraftModel"
+        lines += ["", "## DFlash 2", "", *SERVING_NOTE]
     lines += [
         "",
         "## Serving",
@@ -260,8 +266,8 @@ def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str)
         "Reference implementation (PyPI `dflash`):",
         "",
         "```python",
-        "from dflash import DFlashDraftModel",
-        "draft = DFlashDraftModel.from_pretrained('./THIS_DIR')",
+        f"from dflash import {reference_class}",
+        f"draft = {reference_class}.from_pretrained('./THIS_DIR')",
         "out = draft.spec_generate(target_model, input_ids, max_new_tokens=256, stop_token_ids=[eos_id])",
         "```",
         "",

@@ -83,6 +83,9 @@ def expected_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                     p + "mlp.down_proj.weight": (H, I),
                     p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
     out.update({"fc.weight": (H, K * H), "hidden_norm.weight": (H,), "norm.weight": (H,)})
+    from dflash_train.model.dflash2 import export_shapes
+
+    out.update(export_shapes(c))  # DFlash 2: convolutions and candidate selector
     return out
 
 
@@ -111,14 +114,18 @@ def embedding_scale_warning(scale: float) -> str | None:
 def check_config(c: dict[str, Any], target: dict[str, Any] | None) -> tuple[list[str], list[str]]:
     P: list[str] = []
     W: list[str] = []
-    if "DFlashDraftModel" not in (c.get("architectures") or []):
-        P.append(f"architectures is {c.get('architectures')!r}; the engines look for DFlashDraftModel")
+    if not {"DFlashDraftModel", "DFlash2DraftModel"} & set(c.get("architectures") or []):
+        P.append(f"architectures is {c.get('architectures')!r}; the engines look for DFlashDraftModel "
+                 "(or DFlash2DraftModel)")
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "intermediate_size", "vocab_size", "max_position_embeddings"):
         if not _is_int(c.get(k)) or c[k] <= 0:
             P.append(f"{k} is {c.get(k)!r}, not a positive integer")
     if P:
         return P, W
+    from dflash_train.model.dflash2 import config_problems
+
+    P += config_problems(c)
     if c["num_attention_heads"] % c["num_key_value_heads"]:
         P.append(f"num_attention_heads {c['num_attention_heads']} is not a multiple of num_key_value_heads "
                  f"{c['num_key_value_heads']}")

@@ -287,3 +287,72 @@ def selector_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
         "selector_path_tau": 1.0 + v["sel_path_accepted"] / blocks,
         "argmax_path_tau": 1.0 + v["sel_argmax_accepted"] / blocks,
     }
+
+
+# --------------------------------------------------------------------------- export names
+
+# the published DFlash 2 checkpoints store the codebooks without ".weight" (the reference's
+# from_pretrained maps them back with key_mapping); export writes them so, reading accepts both
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+
+
+def to_export_names(sd: dict) -> dict:
+    return {(k[: -len(".weight")] if k[: -len(".weight")] in _CODEBOOKS and k.endswith(".weight") else k): v
+            for k, v in sd.items()}
+
+
+def from_export_names(sd: dict) -> dict:
+    return {(k + ".weight" if k in _CODEBOOKS else k): v for k, v in sd.items()}
+
+
+def export_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the DFlash 2 additions for an exported config.json dict `c`
+    (empty for a DFlash 1 config)."""
+    if "DFlash2DraftModel" not in (c.get("architectures") or []):
+        return {}
+    dfc = c.get("dflash_config") or {}
+    H, V = int(c["hidden_size"]), int(c["vocab_size"])
+    kernel, group = int(dfc["conv_kernel_size"]), int(dfc["conv_group_size"])
+    rank = int(dfc["selector_rank"])
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(int(c["num_hidden_layers"])):
+        for conv in ("attention_conv", "mlp_conv"):
+            out[f"layers.{i}.{conv}.base_kernel"] = (2, kernel, H)
+            out[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * kernel * (H // group), H)
+    out.update({_CODEBOOKS[0]: (V, rank), _CODEBOOKS[1]: (V, rank),
+                "candidate_selector.hidden_projection.weight": (rank, H)})
+    return out
+
+
+def config_problems(c: dict) -> list[str]:
+    """What an engine's DFlash 2 loader would refuse in config.json dict `c` (none for DFlash 1)."""
+    if "DFlash2DraftModel" not in (c.get("architectures") or []):
+        return []
+    dfc = c.get("dflash_config") or {}
+    P = []
+    for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        v = dfc.get(k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            P.append(f"dflash_config.{k} is {v!r}, not a positive integer (DFlash2DraftModel needs it)")
+    g = dfc.get("conv_group_size")
+    if not P and int(c["hidden_size"]) % g:
+        P.append(f"hidden_size {c['hidden_size']} is not a multiple of dflash_config.conv_group_size {g}")
+    return P
+
+
+# the model card's DFlash 2 section (report.model_card); engine status from their merged pull
+# requests (read August 2026), not from a serving run of ours
+SERVING_NOTE = [
+    "This is a **DFlash 2** drafter (`architectures: [\"DFlash2DraftModel\"]`): the DFlash backbone plus",
+    "block-local dynamic convolutions and a candidate selector (`conv_kernel_size`, `conv_group_size`,",
+    "`selector_rank`, `selector_top_k` in `dflash_config`). Engines switch DFlash 2 on from this config,",
+    "with the same flags as DFlash (below):",
+    "",
+    "- SGLang: builds containing sgl-project/sglang PR #35371 (merged 2026-08-18), `--speculative-algorithm DFLASH`;",
+    "- vLLM: builds containing vllm-project/vllm PR #52816 (merged 2026-08-21; not yet in a stable release when",
+    "  last checked), method `dflash`, `num_speculative_tokens` = block size - 1;",
+    "- llama.cpp: PR #27342 (merged), `--spec-type draft-dflash` after GGUF conversion.",
+    "",
+    "Older engine releases know only `DFlashDraftModel` and refuse this checkpoint. dflash-train has not run",
+    "these engines itself; the reference `dflash.DFlash2DraftModel` loads this directory (tested).",
+]
