@@ -64,7 +64,11 @@ def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int) -> torc
     hidden = drafter(embeds, anchors, torch.ones_like(anchors, dtype=torch.bool), doc,
                      features=feats.to(embeds.dtype))
     hidden = hidden.view(A, bs, -1)[:, 1:]
-    return torch.argmax(target.logits(hidden), dim=-1)
+    logits = target.logits(hidden)
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is not None:  # DFlash 2: the selector's greedy path from each anchor token, as decoding drafts
+        return selector.select(hidden, logits, block[0, :, 0], 0.0)[0]
+    return torch.argmax(logits, dim=-1)
 
 
 def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int) -> list[int]:

@@ -21,6 +21,11 @@ Same semantics as the reference `dflash.model.dflash_generate` (PyPI dflash
   of the anchor and the accepted tokens (NOT the bonus, which the target has
   not seen yet) extend the drafter's context.
 
+A DFlash 2 drafter drafts with its candidate selector (the path through each
+slot's unary top-k, argmax or sampled left to right from the anchor, as the
+reference ``propose``); rejection sampling then uses the q rows the path was
+drawn from.
+
 ``acceptance_lengths`` are the per-step ``produced`` counts, exactly as the
 reference reports them; tau = their mean.
 
@@ -270,6 +275,7 @@ def speculative_generate(
     device = target.device
     target_logits = getattr(target, "inference_logits", None) or target.logits
     gen = _gen_for(device, generator)
+    selector = getattr(drafter, "candidate_selector", None)
     input_ids = input_ids.to(device)
     n = int(input_ids.shape[1])
     max_length = n + int(max_new_tokens)
@@ -299,7 +305,12 @@ def speculative_generate(
         embeds = target.embed(block)
         hidden = drafter.draft_block(dcache, embeds, start)[:, 1:vs]
         draft_logits = target_logits(hidden.to(embeds.dtype))
-        if temperature > 0:
+        if selector is not None:  # DFlash 2: the selector's path through the unary top-k (model/dflash2.py)
+            path, candidates, q_top = selector.select(hidden, draft_logits, block[:, 0], temperature, gen)
+            block[:, 1:] = path
+            if temperature > 0:  # q: the rows the path was drawn from, over the whole vocabulary
+                q = torch.zeros(draft_logits.shape, dtype=q_top.dtype, device=device).scatter_(-1, candidates, q_top)
+        elif temperature > 0:
             q = sampling_probs(draft_logits, temperature)  # [1, vs-1, V]
             block[:, 1:] = _sample(q, gen)
         else:
