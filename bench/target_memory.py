@@ -3,7 +3,8 @@
 Each variant loads in a fresh subprocess (RSS is not returned to the OS after a free), and reports
 psutil's RSS after the tokenizer (baseline) and after the load with every weight read once (the
 safetensors are memory-mapped: a tensor counts once touched, as training touches the lm_head every
-step); rss_mb is that difference, peak_rss_mb the peak (getrusage) minus the baseline.
+step); rss_mb is that difference, peak_rss_mb the peak (getrusage) minus the baseline, anon_mb
+the difference without file-backed pages (memory-mapped safetensors pages the page cache shares).
 
 usage: .venv/bin/python bench/target_memory.py TARGET [TARGET ...]   (a HF dir, a .gguf, embedded:gemma3-270m)
 """
@@ -21,17 +22,20 @@ from dflash_train.targets.head_only import load_head_only_target
 cfg = TargetConfig(path=sys.argv[2])
 tok, _ = load_tokenizer(cfg)
 gc.collect()
-base = psutil.Process().memory_info().rss
+m0 = psutil.Process().memory_info()
+base = m0.rss
 t = load_head_only_target(cfg, "cpu", tok) if sys.argv[1] == "head" else load_target(cfg, device="cpu", tokenizer=tok)
 with torch.no_grad():  # page every weight in (mmap-backed tensors count only once read, as training reads them)
     for p in t.model.parameters():
         p.sum()
 gc.collect()
-rss = psutil.Process().memory_info().rss
+m1 = psutil.Process().memory_info()
+rss = m1.rss
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 params = sum(p.numel() * p.element_size() for p in t.model.parameters())
 print(json.dumps({"what": sys.argv[1], "rss_mb": round((rss - base) / 2**20, 1),
                   "peak_rss_mb": round((peak - base) / 2**20, 1),
+                  "anon_mb": round(((m1.rss - m1.shared) - (m0.rss - m0.shared)) / 2**20, 1),
                   "param_mb": round(params / 2**20, 1), "decoder_layers": len(t.layers)}))
 """
 

@@ -62,7 +62,7 @@ def test_sharded_capture_equals_unsharded(tiny_target_factory, tmp_path):
     res = _torchrun(2, [str(TESTS / "tp_capture_worker.py"), str(out), ",".join(map(str, dirs))])
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     report = json.loads(out.read_text())
-    assert sorted(report) == sorted(map(str, dirs))
+    assert sorted(report) == sorted(f"{d}:{how}" for d in dirs for how in ("from_files", "whole_then_sliced"))
     for d, r in report.items():
         assert r["shape_ok"], (d, r)
         assert r["q_proj_local"] == [r["q_proj_full"][0] // 2, r["q_proj_full"][1]], (d, r)  # really sharded

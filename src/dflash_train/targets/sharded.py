@@ -1,15 +1,18 @@
 """One target held by a group of ranks, tensor parallel (pipeline.target_tp_size > 1 under torchrun).
 
 Sharding is transformers' own: the model's tensor-parallel plan (``base_model_tp_plan`` /
-``_tp_plan``: q/k/v/gate/up colwise, o/down rowwise, embedding rowwise) is
-resolved by ``PreTrainedModel._resolve_parallel_plans`` and applied by
-``transformers.distributed.tensor_parallel.apply_tensor_parallelism`` as DTensors on a
-``DeviceMesh`` built from the group's process group. We do not call ``from_pretrained(...,
-distributed_config=...)`` because it builds its mesh over the WHOLE world (it refuses a world
-size other than the mesh size), while here only the target ranks of one group form the mesh
-and the trainer ranks never join it. Consequence: every group rank first loads the whole
-target into host memory (CPU, or a GPU's host RAM), then keeps only its shards
-(``distribute_tensor(src_data_rank=None)``: each rank slices its own copy, no scatter).
+``_tp_plan``: q/k/v/gate/up colwise, o/down rowwise, embedding rowwise, lm_head colwise)
+applied as DTensors on a ``DeviceMesh`` of the group. `load_sharded_target` (HF safetensors
+directories) loads with ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=G))``,
+so each rank reads only its own shards from the files. transformers builds that mesh over the
+WHOLE world (it refuses a world size other than the mesh size), while here only the G ranks of
+one group form it and the trainer ranks stay outside: the model class is subclassed for the load
+with ``prepare_distribute_model`` returning the group's mesh (`group_meshes`: the 4-D
+(pp, dp_replicate, fsdp, tp) mesh transformers expects, built with ``DeviceMesh.from_group`` from
+process groups every rank created in the same order, so no collective is left unmatched).
+Targets that are not such a directory (GGUF, VLM checkpoints) load whole on the CPU and are
+sharded in place by `shard_target` (``apply_tensor_parallelism`` with the same plan; each rank
+slices its own copy, ``distribute_tensor(src_data_rank=None)``).
 
 A rowwise layer ends with an all-reduce, so every decoder layer's OUTPUT is the full,
 replicated hidden state on every group rank: the forward hooks of `Target.capture` see
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -44,6 +48,90 @@ def _comm_device(group, target: Target) -> torch.device:
     return target.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
+def _check_heads(hc, size: int, source: str) -> None:
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(hc, key, None)
+        if n and n % size:
+            raise TargetError(f"pipeline.target_tp_size={size} does not divide the target's {key}={n} "
+                              f"({source}); pick a divisor")
+
+
+def group_meshes(group, self_group, device_type: str):
+    """transformers' mesh pair for one TP group: dense (pp, dp_replicate, fsdp, tp) = (1, 1, 1, G) and
+    expert (pp, dp_replicate, efsdp, ep) = (1, 1, G, 1). `self_group`: this rank alone (size-1 dims)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers.distributed.utils import TransformersDeviceMesh
+
+    ranks = torch.tensor(dist.get_process_group_ranks(group))
+    g = len(ranks)
+    dense = DeviceMesh.from_group([self_group, self_group, self_group, group], device_type,
+                                  mesh=ranks.view(1, 1, 1, g), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+    expert = DeviceMesh.from_group([self_group, self_group, group, self_group], device_type,
+                                   mesh=ranks.view(1, 1, g, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    return TransformersDeviceMesh(dense, expert)
+
+
+def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=None) -> Target:
+    """The target of `cfg` sharded over `group`, each rank reading only its shards (see the module docstring)."""
+    import time
+
+    from transformers import AutoConfig
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from dflash_train.config import EMBEDDED_TARGET
+    from dflash_train.targets.model import (
+        _first_line, load_target, load_tokenizer, resolve_dtype, serving_dtype_of)
+
+    size = dist.get_world_size(group)
+    spec = cfg.path
+    base = None
+    if spec != EMBEDDED_TARGET and not spec.lower().endswith(".gguf"):
+        path = str(Path(spec).expanduser())
+        try:
+            hf_cfg = AutoConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001
+            raise TargetError(f"{path}: cannot read the target's config ({_first_line(e)})") from None
+        base = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_cfg), None)
+    if base is None:
+        log.info("%s: not a causal-LM safetensors directory; loading it whole, then sharding", spec)
+        return shard_target(load_target(cfg, device="cpu", tokenizer=tokenizer), group, device)
+    _check_heads(hf_cfg.get_text_config(), size, spec)
+    meshes = group_meshes(group, self_group, device.type)
+
+    class _GroupSharded(base):  # the load only: hands transformers this group's mesh
+        @classmethod
+        def prepare_distribute_model(cls, distributed_config, device_map=None):
+            return distributed_config, device, meshes
+
+    t0 = time.perf_counter()
+    kw = dict(dtype=resolve_dtype(cfg.dtype, device), distributed_config=DistributedConfig(tp_size=size))
+    try:
+        try:
+            model = _GroupSharded.from_pretrained(path, attn_implementation="sdpa", **kw)
+        except ValueError as e:
+            if "sdpa" not in str(e) and "scaled_dot_product_attention" not in str(e):
+                raise
+            model = _GroupSharded.from_pretrained(path, attn_implementation="eager", **kw)
+    except TargetError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's broken file: one line naming it
+        raise TargetError(f"{path}: cannot load the target sharded over {size} ranks ({_first_line(e)})") from None
+    model.eval()
+    model.requires_grad_(False)
+    if tokenizer is None:
+        tokenizer, _ = load_tokenizer(cfg)
+    target = Target(model, tokenizer, source=str(spec))
+    target.serving_dtype = serving_dtype_of(cfg)
+    log.info("target sharded over %d ranks (tensor parallel, read shard by shard) in %.1fs: %.1fM parameters "
+             "on this rank", size, time.perf_counter() - t0, _local_params(model) / 1e6)
+    return target
+
+
+def _local_params(model) -> int:
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
+
+
 def shard_target(target: Target, group, device: torch.device) -> Target:
     """Shard `target.model` across `group` with the model's own tensor-parallel plan (in place)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -53,12 +141,7 @@ def shard_target(target: Target, group, device: torch.device) -> Target:
 
     model = target.model
     size = dist.get_world_size(group)
-    hc = target.hf_config
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        n = getattr(hc, key, None)
-        if n and n % size:
-            raise TargetError(f"pipeline.target_tp_size={size} does not divide the target's {key}={n} "
-                              f"({target.source}); pick a divisor")
+    _check_heads(target.hf_config, size, target.source)
     mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("tp",))
     model._mesh_manager = TransformersDeviceMesh(mesh, mesh)
     try:
@@ -74,9 +157,8 @@ def shard_target(target: Target, group, device: torch.device) -> Target:
     apply_tensor_parallelism(model, mesh, tp_plan)
     model.to(device)  # what the plan left whole (norms, rotary buffers)
     target.device = device
-    local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
-    log.info("target sharded over %d ranks (tensor parallel, %d plan rules): %.1fM parameters on this rank",
-             size, len(tp_plan), local / 1e6)
+    log.info("target sharded over %d ranks (tensor parallel, loaded whole then sliced, %d plan rules): %.1fM "
+             "parameters on this rank", size, len(tp_plan), _local_params(model) / 1e6)
     return target
 
 

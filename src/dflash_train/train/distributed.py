@@ -69,6 +69,7 @@ class DistContext:
                               f"target_tp_size ranks; world size {world_size})")
         self.num_target_groups = self.num_target_ranks // self.target_tp_size if self.distributed else 0
         self.target_group = None  # this target rank's process group when target_tp_size > 1
+        self.target_self_group = None  # this target rank alone (size-1 mesh dims)
         self.is_target_rank = self.distributed and rank < self.num_target_ranks
         self.trainer_ranks = list(range(self.num_target_ranks, world_size)) if self.distributed else [0]
         self.num_trainers = len(self.trainer_ranks)
@@ -90,12 +91,17 @@ class DistContext:
         dist.init_process_group(backend, timeout=timedelta(minutes=30))
         ctx.trainer_group = dist.new_group(ctx.trainer_ranks)
         if ctx.target_tp_size > 1:
-            # new_group is collective over the world: every rank creates every target group, in order
+            # new_group is collective over the world: every rank creates every target group, and a
+            # one-rank group per target rank (the size-1 dims of transformers' TP mesh), in order
             for g in range(ctx.num_target_groups):
                 ranks = list(range(g * ctx.target_tp_size, (g + 1) * ctx.target_tp_size))
                 group = dist.new_group(ranks)
                 if ctx.rank in ranks:
                     ctx.target_group = group
+            for r in range(ctx.num_target_ranks):
+                alone = dist.new_group([r])
+                if r == ctx.rank:
+                    ctx.target_self_group = alone
         return ctx
 
     def load_trainer_target(self, cfg, device: torch.device, tokenizer, load_target):
@@ -350,9 +356,9 @@ def serve_target_rank(cfg, run_dir: Path, ctx: DistContext) -> int:
     if group is None:
         target = load_target(cfg.target, device=device)
     else:
-        from dflash_train.targets.sharded import follow_group_leader, shard_target
+        from dflash_train.targets.sharded import follow_group_leader, load_sharded_target
 
-        target = shard_target(load_target(cfg.target, device="cpu"), group, device)
+        target = load_sharded_target(cfg.target, group, ctx.target_self_group, device)
         leader = ctx.leader_of(ctx.rank // ctx.target_tp_size)
         if ctx.rank != leader:
             n = follow_group_leader(target, group, leader)
