@@ -54,10 +54,33 @@ def test_head_only_target_is_the_full_targets_head_without_layers(tiny_target_fa
     assert n_head < n_full / 2
 
 
+def _tiny_moe_target(out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random Qwen3-MoE target (4 experts, top 2) with the tiny qwen3 tokenizer."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_experts=4, num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 def test_sharded_capture_equals_unsharded(tiny_target_factory, tmp_path):
-    """A tiny target sharded over 2 ranks (the model's own TP plan, DTensor shards) captures packed rows
-    (two documents + padding; Gemma: sliding-window layers) like the unsharded target, to fp32 rounding."""
-    dirs = [tiny_target_factory("qwen3"), tiny_target_factory("gemma3")]
+    """A tiny target sharded over 2 ranks (the model's own TP plan, DTensor shards; MoE: its experts by
+    expert parallelism) captures packed rows (two documents + padding; Gemma: sliding-window layers)
+    like the unsharded target, to fp32 rounding; read shard by shard, each rank holds about half."""
+    qwen = tiny_target_factory("qwen3")
+    dirs = [qwen, tiny_target_factory("gemma3"), _tiny_moe_target(tmp_path / "moe", qwen)]
     out = tmp_path / "capture.json"
     res = _torchrun(2, [str(TESTS / "tp_capture_worker.py"), str(out), ",".join(map(str, dirs))])
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
@@ -67,6 +90,8 @@ def test_sharded_capture_equals_unsharded(tiny_target_factory, tmp_path):
         assert r["shape_ok"], (d, r)
         assert r["q_proj_local"] == [r["q_proj_full"][0] // 2, r["q_proj_full"][1]], (d, r)  # really sharded
         assert r["max_abs_diff"] <= 1e-5 * max(1.0, r["max_abs"]), (d, r)
+        if d.endswith(":from_files"):
+            assert r["params_local"] <= 0.6 * r["params_full"], (d, r)
 
 
 def test_sharded_group_trains_like_one_target_rank_and_resumes_exactly(tiny_target_factory, tmp_path):

@@ -60,6 +60,9 @@ def main() -> None:
             "shape_ok": got.shape == want.shape and single.shape == want_single.shape,
             "q_proj_local": local.get("model.layers.0.self_attn.q_proj.weight"),
             "q_proj_full": tuple(full.model.model.layers[0].self_attn.q_proj.weight.shape),
+            "params_local": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                for p in sharded.model.parameters()),
+            "params_full": sum(p.numel() for p in full.model.parameters()),
         }
     if rank == 0:
         with open(out, "w") as f:

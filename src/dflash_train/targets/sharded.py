@@ -10,6 +10,8 @@ one group form it and the trainer ranks stay outside: the model class is subclas
 with ``prepare_distribute_model`` returning the group's mesh (`group_meshes`: the 4-D
 (pp, dp_replicate, fsdp, tp) mesh transformers expects, built with ``DeviceMesh.from_group`` from
 process groups every rank created in the same order, so no collective is left unmatched).
+MoE targets with an expert-parallel plan also get ``ep_size=G`` (each rank holds 1/G of the
+experts; the dense plan alone replicates them).
 Targets that are not such a directory (GGUF, VLM checkpoints) load whole on the CPU and are
 sharded in place by `shard_target` (``apply_tensor_parallelism`` with the same plan; each rank
 slices its own copy, ``distribute_tensor(src_data_rank=None)``).
@@ -56,9 +58,10 @@ def _check_heads(hc, size: int, source: str) -> None:
                               f"({source}); pick a divisor")
 
 
-def group_meshes(group, self_group, device_type: str):
+def group_meshes(group, self_group, device_type: str, expert_parallel: bool = False):
     """transformers' mesh pair for one TP group: dense (pp, dp_replicate, fsdp, tp) = (1, 1, 1, G) and
-    expert (pp, dp_replicate, efsdp, ep) = (1, 1, G, 1). `self_group`: this rank alone (size-1 dims)."""
+    expert (pp, dp_replicate, efsdp, ep) = (1, 1, G, 1), or (1, 1, 1, G) with expert parallelism (MoE:
+    each rank holds num_experts / G experts). `self_group`: this rank alone (size-1 dims)."""
     from torch.distributed.device_mesh import DeviceMesh
     from transformers.distributed.utils import TransformersDeviceMesh
 
@@ -66,8 +69,12 @@ def group_meshes(group, self_group, device_type: str):
     g = len(ranks)
     dense = DeviceMesh.from_group([self_group, self_group, self_group, group], device_type,
                                   mesh=ranks.view(1, 1, 1, g), mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
-    expert = DeviceMesh.from_group([self_group, self_group, group, self_group], device_type,
-                                   mesh=ranks.view(1, 1, g, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    if expert_parallel:
+        expert = DeviceMesh.from_group([self_group, self_group, self_group, group], device_type,
+                                       mesh=ranks.view(1, 1, 1, g), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+    else:
+        expert = DeviceMesh.from_group([self_group, self_group, group, self_group], device_type,
+                                       mesh=ranks.view(1, 1, g, 1), mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
     return TransformersDeviceMesh(dense, expert)
 
 
@@ -96,8 +103,12 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
     if base is None:
         log.info("%s: not a causal-LM safetensors directory; loading it whole, then sharding", spec)
         return shard_target(load_target(cfg, device="cpu", tokenizer=tokenizer), group, device)
-    _check_heads(hf_cfg.get_text_config(), size, spec)
-    meshes = group_meshes(group, self_group, device.type)
+    text = hf_cfg.get_text_config()
+    _check_heads(text, size, spec)
+    # MoE: the dense plan replicates the experts; the model's expert-parallel plan shards them
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or getattr(text, "n_routed_experts", None)
+    expert_parallel = bool(getattr(text, "base_model_ep_plan", None)) and bool(experts) and experts % size == 0
+    meshes = group_meshes(group, self_group, device.type, expert_parallel)
 
     class _GroupSharded(base):  # the load only: hands transformers this group's mesh
         @classmethod
@@ -105,7 +116,8 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
             return distributed_config, device, meshes
 
     t0 = time.perf_counter()
-    kw = dict(dtype=resolve_dtype(cfg.dtype, device), distributed_config=DistributedConfig(tp_size=size))
+    dc = DistributedConfig(tp_size=size, ep_size=size if expert_parallel else None)
+    kw = dict(dtype=resolve_dtype(cfg.dtype, device), distributed_config=dc)
     try:
         try:
             model = _GroupSharded.from_pretrained(path, attn_implementation="sdpa", **kw)
@@ -123,8 +135,9 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
         tokenizer, _ = load_tokenizer(cfg)
     target = Target(model, tokenizer, source=str(spec))
     target.serving_dtype = serving_dtype_of(cfg)
-    log.info("target sharded over %d ranks (tensor parallel, read shard by shard) in %.1fs: %.1fM parameters "
-             "on this rank", size, time.perf_counter() - t0, _local_params(model) / 1e6)
+    log.info("target sharded over %d ranks (tensor parallel%s, read shard by shard) in %.1fs: %.1fM parameters "
+             "on this rank", size, " + expert parallel" if expert_parallel else "", time.perf_counter() - t0,
+             _local_params(model) / 1e6)
     return target
 
 
