@@ -277,12 +277,29 @@ def test_every_dflash2_parameter_gets_a_gradient_and_the_target_none():
     assert t.embedding.weight.grad is None and t.head.grad is None
 
 
-def test_vocab_subset_is_refused_for_dflash2():
+def test_selector_with_a_vocab_subset():
+    """train.vocab_subset: the whole (shuffled) vocabulary as the subset == no subset; a real subset ranks
+    only its ids (candidates mapped back to token ids), rows whose gold is outside weigh 0."""
     from dflash_train.model import dflash_loss
 
-    t, d, ids, lm, docs, feats, anchors = loss_setup()
-    with pytest.raises(ValueError, match="vocab_subset cannot be used with model.architecture: dflash2"):
-        dflash_loss(d, t, ids, lm, docs, feats, 9, None, anchors=anchors, vocab_subset=torch.arange(20))
+    t, d, ids, lm, docs, feats, anchors = loss_setup(top_k=6)
+    kw = dict(anchors=anchors, selector_loss_weight=1.0)
+    with torch.no_grad():
+        full = dflash_loss(d, t, ids, lm, docs, feats, 9, None, **kw)
+        # the whole vocabulary in a shuffled order: the head's rows are permuted, so only a correct
+        # mapping of the candidates back to token ids gives the same loss and metrics
+        perm = torch.randperm(V, generator=torch.Generator().manual_seed(0))
+        everything = dflash_loss(d, t, ids, lm, docs, feats, 9, None, vocab_subset=perm, **kw)
+        torch.testing.assert_close(everything.loss, full.loss, atol=1e-6, rtol=1e-6)
+        assert all(torch.equal(everything.extra[k], full.extra[k]) for k in full.extra)
+        subset = torch.cat([torch.unique(ids)[::2], torch.tensor([V - 1])]).sort().values
+        part = dflash_loss(d, t, ids, lm, docs, feats, 9, None, vocab_subset=subset, chunk_blocks=1, **kw)
+        part0 = dflash_loss(d, t, ids, lm, docs, feats, 9, None, vocab_subset=subset, anchors=anchors,
+                            selector_loss_weight=0.0)
+    assert torch.isfinite(part.loss) and part.loss > part0.loss
+    assert part.extra["sel_topk_hits"] > 0 and part.extra["sel_topk_hits"] <= full.extra["sel_rows"]
+    # a hit means the gold token id itself is among the (mapped back) candidates: never an out-of-subset gold
+    assert part.extra["sel_rows"] == full.extra["sel_rows"]
 
 
 # --------------------------------------------------------------------------- export

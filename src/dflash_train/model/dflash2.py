@@ -147,9 +147,11 @@ class CandidateSelector(nn.Module):
 class DFlash2Drafter(DFlashDrafter):
     layer_class = DFlash2Layer
 
-    def selector_loss(self, h, anchor_ids, labels, weights, supervised, head, chunk_rows):
+    def selector_loss(self, h, anchor_ids, labels, weights, supervised, head, chunk_rows,
+                      vocab_subset=None, subset_labels=None):
         """See the module-level selector_loss (model/loss.py calls it for DFlash 2 drafters)."""
-        return selector_loss(self.candidate_selector, h, anchor_ids, labels, weights, supervised, head, chunk_rows)
+        return selector_loss(self.candidate_selector, h, anchor_ids, labels, weights, supervised, head, chunk_rows,
+                             vocab_subset, subset_labels)
 
     def build_extra_modules(self, cfg: DrafterConfig) -> None:
         self.candidate_selector = CandidateSelector(cfg)
@@ -221,7 +223,8 @@ def unary_topk(h: torch.Tensor, labels: torch.Tensor, head, k: int, chunk_rows: 
 
 
 def selector_loss(selector: CandidateSelector, h: torch.Tensor, anchor_ids: torch.Tensor, labels: torch.Tensor,
-                  weights: torch.Tensor, supervised: torch.Tensor, head, chunk_rows: int):
+                  weights: torch.Tensor, supervised: torch.Tensor, head, chunk_rows: int,
+                  vocab_subset: torch.Tensor | None = None, subset_labels: torch.Tensor | None = None):
     """The selector's K-way cross-entropy, teacher-forced, and its metrics (device tensors, no host sync).
 
     h [B*A*n, H] drafter hidden of block positions 1..n (n = bs-1, grad flows through Hp(h));
@@ -231,12 +234,19 @@ def selector_loss(selector: CandidateSelector, h: torch.Tensor, anchor_ids: torc
     before t (the anchor token for t = 1); loss = sum_w CE(U + pair, gold) / sum_w.
     Metrics keep serving semantics (strict top-k): top-k recall, teacher-forced accuracy, and the
     accepted length of the path the selector walks from the anchor vs the unary argmax path.
+    With train.vocab_subset the head holds only the subset's rows (loss._head): the top-k is taken
+    among them (subset_labels = labels as subset indices, -1 outside; those rows weigh 0) and the
+    candidates mapped back to token ids.
     """
     B, A, n = labels.shape
     y = labels.reshape(-1)
     sup = supervised.reshape(-1)
     pred = torch.cat([anchor_ids[:, :, None], labels[:, :, :-1]], dim=2).reshape(-1)
-    unary, cand, gold = unary_topk(h, y, head, selector.top_k, chunk_rows)
+    if vocab_subset is None:
+        unary, cand, gold = unary_topk(h, y, head, selector.top_k, chunk_rows)
+    else:
+        unary, cand, gold = unary_topk(h, subset_labels.clamp(min=0), head, selector.top_k, chunk_rows)
+        cand = vocab_subset[cand]
     hit = (cand == y[:, None]).any(-1)
     cand_loss = cand.clone()
     cand_loss[:, -1] = torch.where(hit, cand[:, -1], y)

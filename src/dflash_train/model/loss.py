@@ -271,10 +271,8 @@ def dflash_loss(
     loss = total / weight_sum.clamp(min=1e-12)
     extra: dict[str, torch.Tensor] = {}
     if hasattr(core, "selector_loss"):  # DFlash 2: + weight * the candidate selector's K-way CE
-        if vocab_subset is not None:
-            raise ValueError("train.vocab_subset cannot be used with model.architecture: dflash2 "
-                             "(the selector ranks the full vocabulary's top-k)")
-        sel, extra = core.selector_loss(h, block_ids.view(B, A, bs)[:, :, 0], labels, flat_w, supervised, head, rows)
+        sel, extra = core.selector_loss(h, block_ids.view(B, A, bs)[:, :, 0], labels, flat_w, supervised, head, rows,
+                                        vocab_subset, None if vocab_subset is None else ce_labels)
         loss = loss + selector_loss_weight * sel
     sup = supervised.view(B * A, bs - 1)
     corr = correct.view(B * A, bs - 1) & sup
