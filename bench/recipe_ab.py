@@ -43,7 +43,7 @@ from dflash_train.eval.replay import replay_acceptance, walk_acceptance
 from dflash_train.eval.prompts import pick_eval_prompts
 from dflash_train.eval.specdec import plain_generate
 from dflash_train.export import resolve_drafter_source
-from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.dflash2 import build_drafter
 from dflash_train.targets import load_target
 
 
@@ -104,7 +104,9 @@ def train_variant(config: Path, regenerated: Path, run_dir: Path, overrides: lis
     return {"wall_s": wall, "steps": last.get("step"), "train_s": (last["time"] - steps[0]["time"]) if steps else None,
             "tok_s": mean([r["tokens_per_s"] for r in steps[len(steps) // 2:]]) if steps else None,
             "expected_tau_train": last.get("expected_tau"),
-            "acc": {k: round(v, 3) for k, v in last.items() if k.startswith("acc_")}}
+            "acc": {k: round(v, 3) for k, v in last.items() if k.startswith("acc_")},
+            # DFlash 2 runs: the selector's training metrics of the last logged step
+            "selector": {k: round(v, 3) for k, v in last.items() if k.startswith(("selector_", "argmax_path"))}}
 
 
 def main() -> int:
@@ -131,7 +133,7 @@ def main() -> int:
         run_dir = a.runs / name
         row = train_variant(a.config, a.regenerated, run_dir, overrides)
         src = resolve_drafter_source(run_dir)
-        drafter = DFlashDrafter(src.config)
+        drafter = build_drafter(src.config)
         drafter.load_state_dict(src.state_dict)
         drafter.eval()
         k = int(src.config.block_size) - 1
