@@ -64,6 +64,17 @@ def _tensor_files(d: Path) -> dict[str, Path]:
     return out
 
 
+def _buffer_twin(cfg0, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every buffer's real value (rotary inv_freq, Gemma's embed scale: computed in __init__, so meta
+    on the meta-built model), from a CPU twin with no layer and a 1-row vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    tiny = copy.deepcopy(cfg0)
+    for c in {id(tiny): tiny, id(tiny.get_text_config()): tiny.get_text_config()}.values():
+        c.vocab_size, c.pad_token_id = 1, None
+    return dict(AutoModelForCausalLM.from_config(tiny, dtype=dtype).named_buffers())
+
+
 def head_only_model(d: Path, dtype: torch.dtype, device: torch.device):
     """(HF causal LM with no decoder layer and the target's head weights, bytes read) or None when the
     files do not hold every tensor such a model has."""
@@ -94,7 +105,7 @@ def head_only_model(d: Path, dtype: torch.dtype, device: torch.device):
     if missing:
         log.info("head-only load: %s has no tensors %s; loading the whole target", d, missing[:3])
         return None
-    # the head as real tensors read one by one; buffers (rotary, Gemma's embed scale) computed on the CPU
+    # the head as real tensors, read one by one
     state: dict[str, torch.Tensor] = {}
     nbytes = 0
     for k in wanted:
@@ -104,23 +115,13 @@ def head_only_model(d: Path, dtype: torch.dtype, device: torch.device):
             t = f.get_tensor(k).to(dtype)
         state[k] = t.to(device)
         nbytes += t.numel() * t.element_size()
-    buffers = {}
-    model_cpu_init = None
-    for name, buf in model.named_buffers():
-        if buf.is_meta:
-            if model_cpu_init is None:
-                # a tiny CPU twin with no layers and a 1-row vocabulary gives every buffer's real value
-                tiny = copy.deepcopy(cfg0)
-                for c in {id(tiny): tiny, id(tiny.get_text_config()): tiny.get_text_config()}.values():
-                    c.vocab_size, c.pad_token_id = 1, None
-                model_cpu_init = AutoModelForCausalLM.from_config(tiny, dtype=dtype)
-                twin = dict(model_cpu_init.named_buffers())
-            buffers[name] = twin[name].to(device)
     model.load_state_dict(state, strict=False, assign=True)
-    for name, buf in buffers.items():
-        mod_name, _, attr = name.rpartition(".")
-        mod = model.get_submodule(mod_name) if mod_name else model
-        mod._buffers[attr] = buf
+    if any(b.is_meta for b in model.buffers()):
+        twin = _buffer_twin(cfg0, dtype)
+        for name, buf in list(model.named_buffers()):
+            if buf.is_meta:
+                mod_name, _, attr = name.rpartition(".")
+                (model.get_submodule(mod_name) if mod_name else model)._buffers[attr] = twin[name].to(device)
     if tied:
         model.lm_head.weight = model.get_input_embeddings().weight
     still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
