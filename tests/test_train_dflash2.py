@@ -91,3 +91,33 @@ def test_export_of_a_dflash2_run_loads_in_the_reference(reference, tmp_path):
     ref, info = DFlash2DraftModel.from_pretrained(str(out), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert "DFlash 2" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_dflash2_under_torchrun(setup, tmp_path, sharding):
+    """1 target rank + 2 trainer ranks with DDP / FSDP2: the selector's parameters are used after the
+    wrapped forward (in the loss); every step completes (DDP's reducer fails the next step when a
+    parameter's gradient never arrives; FSDP2 would meet sharded parameters), losses finite, and the
+    checkpoint holds the selector."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from trainrun import REPO, env
+
+    target, jsonl, root = setup
+    over = tiny_overrides(target, jsonl, **DFLASH2, **{"train.max_steps": 10, "pipeline.target_ranks": 1,
+                                                       "train.sharding": sharding, "train.lr": 1e-2,
+                                                       "checkpoint.every_steps": 100})
+    rd = tmp_path / sharding
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "dflash_train.cli", "train", "--run-dir", str(rd), *over]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    ls = losses(rd)
+    assert sorted(ls) == list(range(1, 11)) and all(math.isfinite(v) for v in ls.values())
+    recs = [r for r in metrics(rd) if not r.get("eval")]
+    assert all(math.isfinite(r["selector_loss"]) for r in recs)
+    sd = load_file(str((rd / "checkpoints" / "latest").resolve() / "model.safetensors"))
+    assert any(k.startswith("candidate_selector.") for k in sd)
