@@ -254,8 +254,8 @@ def test_logits_never_materialised_at_once(monkeypatch):
 
     t, d, ids, lm, docs, feats = setup_loss()
     seen = []
-    real = L._chunk_ce
-    monkeypatch.setattr(L, "_chunk_ce", lambda h, *a: (seen.append(h.shape[0]), real(h, *a))[1])
+    real = L.chunk_terms
+    monkeypatch.setattr(L, "chunk_terms", lambda h, *a: (seen.append(h.shape[0]), real(h, *a))[1])
     out = dflash_loss(d, t, ids, lm, docs, feats, 9, torch.Generator().manual_seed(0), chunk_blocks=2)
     out.loss.backward()
     n = 2 * 9 * 3

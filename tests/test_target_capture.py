@@ -76,6 +76,27 @@ def test_packed_rows_equal_each_document_alone(targets, family):
     torch.testing.assert_close(t.capture(ids2, doc, layer_ids), feats)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_final_hidden_state_gives_the_models_logits(targets, family):
+    """Layer id num_layers = the final hidden state (after the final norm), packed documents
+    each as if alone: target.logits of it are the model's own logits (the distillation teacher)."""
+    t = targets[family]
+    g = torch.Generator().manual_seed(4)
+    a, b = _rand_ids(g, 9), _rand_ids(g, 14)
+    ids = torch.cat([a, b, torch.zeros(3, dtype=torch.long)])[None]
+    doc = torch.tensor([[0] * 9 + [1] * 14 + [-1] * 3], dtype=torch.int32)
+    feats = t.capture(ids, doc, [1, t.num_layers])
+    assert feats.shape == (1, 26, 2 * t.hidden_size)
+    final = feats[..., t.hidden_size:]
+    with torch.no_grad():
+        for x, s in ((a, 0), (b, 9)):
+            ref = t.model(x[None]).logits[0]
+            torch.testing.assert_close(t.logits(final[0, s:s + len(x)]), ref, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(feats[0, s:s + len(x), :t.hidden_size], _hidden_states(t, x[None])[2][0],
+                                       atol=2e-5, rtol=1e-4)
+    assert torch.all(feats[0, 23:] == 0)
+
+
 def test_document_positions():
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 0, 0, 0, 0, 0, 0]])
     assert document_positions(doc).tolist() == [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))]
@@ -138,7 +159,7 @@ def test_capture_rejects_bad_layers(targets):
     t = targets["llama"]
     ids = torch.arange(10, 14)[None]
     with pytest.raises(TargetError, match="out of range"):
-        t.capture(ids, torch.zeros_like(ids), [4])
+        t.capture(ids, torch.zeros_like(ids), [t.num_layers + 1])  # num_layers itself = the final state
     with pytest.raises(ValueError):
         t.capture(ids, torch.zeros(1, 3, dtype=torch.long), [0])
 

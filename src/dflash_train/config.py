@@ -126,6 +126,22 @@ class TrainConfig(_Section):
     loss_chunk_blocks: int = Field(64, ge=1)
     # restrict the loss softmax to the K most frequent supervised tokens (0 = full vocab)
     vocab_subset: int = Field(0, ge=0)
+    # the training objective (model/objectives.py): ce_decay = DFlash cross-entropy with
+    # position decay; dpace = cross-entropy with D-PACE dynamic position weights; distill =
+    # KL from the target's own distribution; lk_alpha / lk_lambda = LK acceptance losses.
+    # distill and lk_* capture the target's final hidden state too (the forward runs to the end)
+    loss: Literal["ce_decay", "dpace", "distill", "lk_alpha", "lk_lambda"] = "ce_decay"
+    # distill / lk_*: weight c of the hard-label cross-entropy mixed in: (1-c)*objective + c*CE
+    loss_ce_weight: float = Field(0.0, ge=0, le=1)
+    # D-PACE smoothing a: position weights from (1-a)*p(label) + a
+    loss_dpace_alpha: float = Field(0.5, ge=0, le=1)
+    # LK^lambda: lambda = exp(-eta * acceptance), the KL share
+    loss_lk_eta: float = Field(3.0, gt=0)
+    # adamw, or muon: Muon (torch.optim.Muon) on 2-D matrices at lr * muon_lr_mult, AdamW on the rest
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_lr_mult: float = Field(10.0, gt=0)
+    muon_momentum: float = Field(0.95, ge=0, lt=1)
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "original"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
     compile: bool = False
@@ -136,6 +152,16 @@ class TrainConfig(_Section):
     max_seconds: float = Field(0, ge=0)
     # DFlash 2: weight alpha of the selector's K-way cross-entropy added to the DFlash loss
     selector_loss_weight: float = Field(1.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_objective(self) -> "TrainConfig":
+        if self.loss_ce_weight > 0 and self.loss not in ("distill", "lk_alpha", "lk_lambda"):
+            raise ValueError(f"loss_ce_weight mixes cross-entropy into distill / lk_alpha / lk_lambda; "
+                             f"train.loss={self.loss} has no such mix (set train.loss_ce_weight=0)")
+        if self.optimizer == "muon" and self.sharding == "fsdp2":
+            raise ValueError("optimizer=muon with sharding=fsdp2 is not supported (the checkpoint's optimizer "
+                             "state is gathered for AdamW only); use sharding=ddp or optimizer=adamw")
+        return self
 
 
 class PipelineConfig(_Section):
@@ -325,7 +351,7 @@ RUN_CONFIG_FILE = "config.yaml"
 # resumes from a checkpoint, every key of the resolved config is compared with the
 # config recorded in that checkpoint's manifest. Keys matching one of these patterns
 # may change: the new value is applied and logged, one line each. Every other key
-# (model.*, train.seed / batch_size / num_anchors / dtype / optimizer, data.* contents,
+# (model.*, train.seed / batch_size / num_anchors / dtype / loss / optimizer, data.* contents,
 # target.path / dtype, pipeline.target_ranks ...) may not: resume is refused naming
 # the key with its old and new value.
 RESUME_MAY_CHANGE: tuple[str, ...] = (

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
+
+from dflash_train.model.objectives import Objective, chunk_terms, dpace_weights
 
 # gamma of the method for the published block sizes
 _GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -37,8 +38,9 @@ def default_gamma(block_size: int) -> float:
 
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # scalar, weighted mean CE (has grad)
-    weight_sum: torch.Tensor  # scalar, sum of weights (no grad)
+    loss: torch.Tensor  # scalar, weighted mean of the objective's term (has grad)
+    weight_sum: torch.Tensor  # scalar, sum of weights (no grad): the normaliser of `total`
+    total: torch.Tensor  # scalar, sum of weight * term (has grad); loss = total / weight_sum
     correct: torch.Tensor  # [bs-1] long: argmax == label among supervised positions, per block position k=1..bs-1
     count: torch.Tensor  # [bs-1] long: supervised positions per block position
     num_blocks: torch.Tensor  # scalar long: valid anchors
@@ -112,66 +114,47 @@ def make_blocks(input_ids, loss_mask, document_ids, anchors, anchor_valid, block
     return block_ids.view(B, A * bs), labels, weights, supervised
 
 
-def _chunk_ce(h, W, labels, w, mult, cap, need_grad):
-    """One chunk: sum w*CE, d(sum)/dh (or None) and argmax. Written out by hand (no autograd
-    graph over [n, V]) so the logits buffer is reused in place for the softmax gradient.
-
-    logits c = softcap(mult * h @ W^T); dCE/dc = softmax(c) - onehot; softcap'(z) = 1 - tanh^2.
-    """
-    z = F.linear(h.to(W.dtype), W).float()
-    if mult != 1.0:
-        z.mul_(mult)
-    t = None
-    if cap is not None:
-        t = torch.tanh(z / cap)
-        z = t * cap
-    lab = labels.clamp(min=0)[:, None]
-    lse = torch.logsumexp(z, dim=-1)
-    part = ((lse - z.gather(1, lab)[:, 0]) * w).sum()
-    pred = z.argmax(-1)
-    grad = None
-    if need_grad:
-        z.sub_(lse[:, None]).exp_().mul_(w[:, None])  # w * softmax, in place
-        z.scatter_add_(1, lab, -w[:, None])
-        if t is not None:
-            z.mul_(1.0 - t * t)
-        if mult != 1.0:
-            z.mul_(mult)
-        grad = (z.to(W.dtype) @ W).to(h.dtype)
-    return part, grad, pred
-
-
-class _ChunkedCE(torch.autograd.Function):
-    """sum_i w_i * CE(logits(h_i), y_i) over chunks of rows; saves only d(sum)/dh [N, H].
+class _ChunkedObjective(torch.autograd.Function):
+    """sum_i w_i * term_i over chunks of rows (objectives.py); saves only d(sum)/dh [N, H].
 
     The gradient is computed in the forward, chunk by chunk, so one [chunk, V] logits
-    buffer exists at a time and nothing is recomputed; backward just scales the saved
-    gradient. Also returns argmax-correct flags (no grad). W is the frozen lm_head
-    (never gets a gradient).
+    buffer (a few for the teacher objectives) exists at a time and nothing is recomputed;
+    backward just scales the saved gradient. Each chunk's per-row gradients are kept
+    unweighted until every row is done, then scaled by the row weights: D-PACE weights
+    depend on the other positions of the block. Also returns argmax-correct flags and the
+    weights used (no grad). W is the frozen lm_head (never gets a gradient).
     """
 
     @staticmethod
-    def forward(ctx, hidden, labels, weights, chunk_rows, head, need_grad):
+    def forward(ctx, hidden, teacher, labels, weights, chunk_rows, head, objective, block_rows, need_grad):
         W, mult, cap = head
         N = hidden.shape[0]
-        total = hidden.new_zeros((), dtype=torch.float32)
+        terms = torch.zeros(N, dtype=torch.float32, device=hidden.device)
         correct = torch.zeros(N, dtype=torch.bool, device=hidden.device)
         grad = torch.empty_like(hidden) if need_grad else None
         for s in range(0, N, chunk_rows):
             e = min(N, s + chunk_rows)
-            part, g, pred = _chunk_ce(hidden[s:e].detach(), W, labels[s:e], weights[s:e], mult, cap, need_grad)
-            total = total + part
+            t_h = teacher[s:e] if teacher is not None else None
+            term, g, pred = chunk_terms(hidden[s:e].detach(), t_h, W, labels[s:e], objective, mult, cap, need_grad)
+            terms[s:e] = term
             correct[s:e] = pred == labels[s:e]
             if need_grad:
                 grad[s:e] = g
+        if objective.kind == "dpace":
+            q = torch.exp(-terms).view(-1, block_rows)
+            weights = dpace_weights(q, (weights > 0).view(-1, block_rows), objective.dpace_alpha).reshape(-1)
+        weights = weights.float()
+        total = (terms * weights).sum()
+        if need_grad:
+            grad.mul_(weights.to(grad.dtype)[:, None])
         ctx.save_for_backward(grad if need_grad else hidden.new_zeros(0))
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        ctx.mark_non_differentiable(correct, weights)
+        return total, correct, weights
 
     @staticmethod
-    def backward(ctx, grad_total, grad_correct):
+    def backward(ctx, grad_total, grad_correct, grad_weights):
         (grad,) = ctx.saved_tensors
-        return grad * grad_total.to(grad.dtype), None, None, None, None, None
+        return grad * grad_total.to(grad.dtype), None, None, None, None, None, None, None, None
 
 
 def _head(target, vocab_subset: torch.Tensor | None):
@@ -193,6 +176,21 @@ def subset_labels(labels: torch.Tensor, vocab_subset: torch.Tensor, vocab_size: 
     lookup = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
     lookup[subset] = torch.arange(subset.numel(), device=labels.device)
     return lookup[labels]
+
+
+def split_teacher(features: torch.Tensor, drafter_width: int, anchors: torch.Tensor, block_size: int):
+    """(the drafter's features [B, T, K*H], teacher hidden rows [B*A*(bs-1), H]): the target's
+    final hidden state that predicts block position k of the block anchored at a sits at
+    position a+k-1 (next-token prediction), taken from the channels after the drafter's."""
+    if features.shape[-1] <= drafter_width:
+        raise ValueError(f"this objective needs the target's final hidden state in the features: got "
+                         f"{features.shape[-1]} channels, the drafter alone reads {drafter_width}")
+    B, T, _ = features.shape
+    final = features[..., drafter_width:]
+    k = torch.arange(block_size - 1, device=anchors.device)
+    pos = (anchors[:, :, None] + k).clamp(max=T - 1).reshape(B, -1)  # a .. a+bs-2
+    rows = torch.gather(final, 1, pos[:, :, None].expand(-1, -1, final.shape[-1]))
+    return features[..., :drafter_width], rows.reshape(-1, final.shape[-1])
 
 
 def unwrap(model):
@@ -220,6 +218,7 @@ def dflash_loss(
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_chunk_logits: int = 1 << 25,
     selector_loss_weight: float = 1.0,
+    objective: Objective | None = None,
 ) -> LossOutput:
     """The DFlash training loss of one batch ([B, T] rows, features [B, T, K*H]).
 
@@ -228,6 +227,9 @@ def dflash_loss(
     vocab_subset: LongTensor of allowed ids; the softmax runs over those only, labels
     outside weigh 0 and count as misses in `correct`.
     max_chunk_logits: cap on one chunk's logits elements (memory bound for huge vocabularies).
+    objective: the training objective (model/objectives.py; default ce_decay). The teacher
+    objectives read the target's final hidden state as the LAST H channels of `features`
+    (capture with the final layer, see objectives.capture_layer_ids); the drafter gets the rest.
     No host syncs: correct/count/num_blocks stay device tensors.
     """
     core = unwrap(drafter)  # attributes from the drafter itself; the call goes through the wrapper (DDP hooks)
@@ -243,7 +245,13 @@ def dflash_loss(
     block_ids, labels, weights, supervised = make_blocks(
         input_ids, loss_mask, document_ids, anc, valid, bs, cfg.mask_token_id, gamma
     )
+    objective = objective or Objective()
+    if not objective.decay_weights:
+        weights = supervised.float()
     dtype = core.fc.weight.dtype
+    teacher = None
+    if objective.needs_teacher:
+        features, teacher = split_teacher(features, int(core.fc.weight.shape[1]), anc, bs)
     with torch.no_grad():  # the target is frozen: never let a gradient reach its embedding
         block_embeds = target.embed(block_ids).to(dtype)
     hidden = drafter(block_embeds, anc, valid, document_ids, features=features.to(dtype), backend=backend)
@@ -262,11 +270,14 @@ def dflash_loss(
     # chunk = chunk_blocks blocks, made smaller if needed so one chunk's logits stay
     # under max_chunk_logits elements (262K vocab x 64 blocks x 15 would be 1 GB fp32)
     V = int(target.lm_head_weight.shape[0]) if vocab_subset is None else int(vocab_subset.numel())
-    rows = max(1, min(max(1, chunk_blocks) * (bs - 1), max_chunk_logits // max(1, V)))
+    # the teacher objectives hold ~6 [rows, V] buffers at once (logits, probabilities of both)
+    cap_elems = max_chunk_logits // (6 if objective.needs_teacher else 1)
+    rows = max(1, min(max(1, chunk_blocks) * (bs - 1), cap_elems // max(1, V)))
     need_grad = torch.is_grad_enabled() and h.requires_grad
-    total, correct = _ChunkedCE.apply(h, ce_labels, flat_w, rows, head, need_grad)
+    total, correct, used_w = _ChunkedObjective.apply(h, teacher, ce_labels, flat_w, rows, head, objective, bs - 1,
+                                                     need_grad)
     correct = correct & (ce_labels >= 0)  # out-of-subset labels count as misses
-    weight_sum = flat_w.sum()
+    weight_sum = used_w.sum()
     # clamp: a batch with nothing supervised gives loss 0 (not NaN); the trainer can skip it
     loss = total / weight_sum.clamp(min=1e-12)
     extra: dict[str, torch.Tensor] = {}
@@ -274,11 +285,14 @@ def dflash_loss(
         sel, extra = core.selector_loss(h, block_ids.view(B, A, bs)[:, :, 0], labels, flat_w, supervised, head, rows,
                                         vocab_subset, None if vocab_subset is None else ce_labels)
         loss = loss + selector_loss_weight * sel
+        # `total` is what the trainer backpropagates and divides by the step's weight sum
+        total = total + selector_loss_weight * sel * weight_sum.detach()
     sup = supervised.view(B * A, bs - 1)
     corr = correct.view(B * A, bs - 1) & sup
     return LossOutput(
         loss=loss,
         weight_sum=weight_sum.detach(),
+        total=total,
         correct=corr.sum(0),
         count=sup.sum(0),
         num_blocks=valid.sum(),

@@ -7,6 +7,13 @@ Layout of DIR:
   shard-NNNNN.safetensors    input_ids [n,T] int64, loss_mask [n,T] uint8,
                              document_ids [n,T] int32, features [n,T,K*H] (dtype)
 
+With train.loss distill / lk_alpha / lk_lambda the layer ids end with the target's
+layer count: the final hidden state (what the lm_head reads), H more channels, so
+features are [n,T,(K+1)*H]. Size per token: (K or K+1) * H * (2 for bf16 / 4 for fp32)
+bytes, e.g. Gemma 3 270M (H 640, K 2): 2560 B/token in bf16, 3840 with the final state;
+an 8B target (H 4096, K 5): 40 KiB/token, 48 KiB with it. The teacher's logits are never
+stored: the loss recomputes them chunk by chunk through the target's lm_head.
+
 Rows are captured one at a time (as the online pipeline does with
 `pipeline.cache_features`), so in float32 the offline features equal the
 online ones bit for bit. The index is written last: a directory without it
@@ -50,7 +57,12 @@ def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard:
         raise PrecomputeError(f"{out} already holds precomputed features (index.json); choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target)
-    layer_ids = DrafterConfig.from_target(cfg.model, target).target_layer_ids
+    from dflash_train.model.objectives import Objective, capture_layer_ids
+
+    # the drafter's layers, plus (for train.loss distill / lk_*) the final hidden state: layer id
+    # == the target's layer count, H more channels per token (see docs/architecture.md)
+    layer_ids = capture_layer_ids(DrafterConfig.from_target(cfg.model, target).target_layer_ids,
+                                  target.num_layers, Objective.from_train_config(cfg.train))
     data = load_prepared(cfg, target.tokenizer, target.family)
     n = data.num_rows
     shards: list[dict[str, Any]] = []

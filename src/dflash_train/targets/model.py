@@ -343,11 +343,13 @@ class Target:
         """[B, T, K*H]: the OUTPUT of each layer in `layer_ids` (HF hidden_states[i+1]),
         concatenated in the given order; each document computed as if alone;
         padding positions (document id -1) are zero. A normal (non-inference)
-        tensor in the target's dtype on the target's device."""
+        tensor in the target's dtype on the target's device. Layer id `num_layers`
+        is the final hidden state (after the final norm: what the lm_head reads,
+        `logits(it)` = the model's logits); asking for it runs the whole forward."""
         layer_ids = [int(i) for i in layer_ids]
         if not layer_ids:
             raise ValueError("capture needs at least one layer id")
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        bad = [i for i in layer_ids if not 0 <= i <= self.num_layers]
         if bad:
             raise TargetError(f"target layer ids {bad} out of range for a {self.num_layers}-layer target")
         if input_ids.shape != document_ids.shape or input_ids.dim() != 2:
@@ -371,10 +373,13 @@ class Target:
         wanted = set(layer_ids)
         store: dict[int, torch.Tensor] = {}
         self._ensure_hooks()
+        # the final hidden state (id num_layers) is the decoder's output: no early stop then
         self._tls.active = (wanted, max(wanted), store)
         try:
             try:
-                self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+                out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+                if self.num_layers in wanted:
+                    store[self.num_layers] = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
             except _StopForward:
                 pass
         finally:

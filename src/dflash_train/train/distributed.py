@@ -137,6 +137,9 @@ class DistContext:
         dist.all_reduce(t, op=op, group=self.trainer_group)
         return float(t.item())
 
+    def sum_over_trainers(self, value: float) -> float:
+        return self._reduce(value, dist.ReduceOp.SUM if self.distributed else None)
+
     def agree_stop(self, local: bool) -> bool:
         return self._reduce(1.0 if local else 0.0, dist.ReduceOp.MAX if self.distributed else None) > 0
 
@@ -210,8 +213,8 @@ class DistContext:
                 source = PrecomputedBatchSource(trainer.precomputed, order, cfg.train.batch_size, trainer.target.dtype)
             else:
                 source = TargetBatchSource(trainer.rows, order, trainer.target,
-                                           trainer.drafter_cfg.target_layer_ids, cfg.train.batch_size,
-                                           cfg.pipeline.cache_features)
+                                           _capture_ids(cfg, trainer.drafter_cfg.target_layer_ids, trainer.target),
+                                           cfg.train.batch_size, cfg.pipeline.cache_features)
             return Pipeline(source, cfg.pipeline.queue_depth, trainer.device,
                             num_workers=cfg.pipeline.num_target_workers).start()
         states = trainer.state.order_state.get("per_target") if trainer.state.order_state else None
@@ -230,6 +233,13 @@ class DistContext:
 
 
 # ---------------------------------------------------------------------- trainer side
+
+
+def _capture_ids(cfg, layer_ids, target) -> list[int]:
+    """The drafter's target layers, plus the final hidden state when the objective reads it."""
+    from dflash_train.model.objectives import Objective, capture_layer_ids
+
+    return capture_layer_ids(layer_ids, target.num_layers, Objective.from_train_config(cfg.train))
 
 
 class _DDP(torch.nn.parallel.DistributedDataParallel):
@@ -385,11 +395,12 @@ def serve_target_rank(cfg, run_dir: Path, ctx: DistContext) -> int:
     order = DataOrder(len(rows[0]), cfg.train.seed + 7919 * t)
     if first_meta.get("resume"):
         order.load_state_dict(first_meta["resume"])
+    capture_ids = _capture_ids(cfg, layer_ids, target)
     if group is not None:
         from dflash_train.targets.sharded import GroupLeaderTarget
 
         target = GroupLeaderTarget(target, group, ctx.rank)
-    source = TargetBatchSource(rows, order, target, layer_ids, cfg.train.batch_size, cfg.pipeline.cache_features)
+    source = TargetBatchSource(rows, order, target, capture_ids, cfg.train.batch_size, cfg.pipeline.cache_features)
     pipe = Pipeline(source, cfg.pipeline.queue_depth, torch.device("cpu") if device.type == "cpu" else device,
                     num_workers=cfg.pipeline.num_target_workers).start()
     active = {r: pending_first[r][0] == 1 for r in my_trainers}

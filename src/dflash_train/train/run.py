@@ -21,9 +21,9 @@ import torch
 
 from dflash_train.config import RunConfig, save_config
 from dflash_train.rundir import RunDirBusy, RunRecord, check_not_busy
-from dflash_train.train.state import TrainState, checkpoint_payload, restore_payload
+from dflash_train.train.state import TrainState, check_recipe, checkpoint_payload, recipe_of, restore_payload
 from dflash_train.model.dflash2 import selector_metrics
-from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer
+from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer, normalise_gradients
 from dflash_train.utils import code_version, resolve_device
 
 log = logging.getLogger("dflash_train")
@@ -322,6 +322,9 @@ class Trainer:
             raise TrainError("eval.every_steps with train.sharding=fsdp2 is not supported yet: set eval.every_steps=0 "
                              "and run `dflash-train eval` on the checkpoints")
         self.optimizer = make_optimizer(self.drafter, cfg.train)
+        from dflash_train.model.objectives import Objective
+
+        self.objective = Objective.from_train_config(cfg.train)
         from dflash_train.train.schedule import make_scheduler
 
         self.scheduler = make_scheduler(self.optimizer, cfg.train.max_steps, cfg.train.warmup_fraction,
@@ -376,11 +379,23 @@ class Trainer:
 
         from dflash_train.pipeline.precompute import PrecomputedFeatures, PrecomputeError
 
+        from dflash_train.model.objectives import Objective, capture_layer_ids
+
         pre = PrecomputedFeatures(Path(path))
-        if pre.layer_ids != list(self.drafter_cfg.target_layer_ids):
+        drafter_ids = list(self.drafter_cfg.target_layer_ids)
+        want = capture_layer_ids(drafter_ids, self.target.num_layers, Objective.from_train_config(self.cfg.train))
+        if pre.layer_ids[:len(drafter_ids)] != drafter_ids:
             raise PrecomputeError(
-                f"{path} holds target layers {pre.layer_ids} but this drafter reads {self.drafter_cfg.target_layer_ids}; "
+                f"{path} holds target layers {pre.layer_ids} but this drafter reads {drafter_ids}; "
                 f"set model.target_layer_ids={pre.layer_ids}")
+        if pre.layer_ids != want:
+            has_final = pre.layer_ids == drafter_ids + [self.target.num_layers]
+            raise PrecomputeError(
+                f"{path} holds target layers {pre.layer_ids}, train.loss={self.cfg.train.loss} reads {want}: "
+                + ("the features hold the final hidden state, which this objective does not read; precompute "
+                   "again without it" if has_final else
+                   "this objective needs the target's final hidden state; run `dflash-train precompute` with "
+                   f"train.loss={self.cfg.train.loss}"))
         if pre.index["hidden_size"] != self.target.hidden_size:
             raise PrecomputeError(f"{path} was captured from a target with hidden size {pre.index['hidden_size']}, "
                                   f"not {self.target.hidden_size}")
@@ -398,7 +413,7 @@ class Trainer:
 
     def _checkpoint_payload(self) -> tuple[dict, dict, dict]:
         tensors, objects = checkpoint_payload(self.drafter, self.optimizer, self.scheduler, self.state, self.ctx,
-                                              self._rng_generators())
+                                              self._rng_generators(), recipe_of(self.cfg.train))
         meta = {
             "step": self.state.step,
             "config_hash": self.cfg.hash(),
@@ -436,6 +451,7 @@ class Trainer:
                                  f"now {json.dumps(now[k])} (target {self.cfg.target.path} differs from the one "
                                  f"the run was trained against?)" + (f"; also {diff[1:]}" if diff[1:] else ""))
         try:
+            check_recipe(path, objects, self.cfg.train)
             self.state = restore_payload(path, tensors, objects, self.drafter, self.optimizer, self.scheduler,
                                          self.ctx, self._rng_generators(), log)
         except UserError as e:
@@ -457,10 +473,11 @@ class Trainer:
             return
         t = self.cfg.train
         s = self.scheduler.last_epoch
-        self.scheduler.base_lrs = [t.lr for _ in self.optimizer.param_groups]
+        # lr_mult: Muon's groups run at train.lr * muon_lr_mult (train/optim.py)
+        self.scheduler.base_lrs = [t.lr * g.get("lr_mult", 1.0) for g in self.optimizer.param_groups]
         for g in self.optimizer.param_groups:
-            g["initial_lr"] = t.lr
-            g["lr"] = t.lr * lr_factor(s, t.max_steps, t.warmup_fraction, t.min_lr_ratio)
+            g["initial_lr"] = t.lr * g.get("lr_mult", 1.0)
+            g["lr"] = g["initial_lr"] * lr_factor(s, t.max_steps, t.warmup_fraction, t.min_lr_ratio)
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
         log.info("resume: lr schedule recomputed at step %d: lr %.3g (train.lr %.3g, max_steps %d)", s,
                  self.optimizer.param_groups[0]["lr"], t.lr, t.max_steps)
@@ -588,6 +605,7 @@ class Trainer:
                 self.model.train()
                 self.optimizer.zero_grad(set_to_none=True)
                 step_loss = torch.zeros((), device=self.device)
+                step_weight = torch.zeros((), device=self.device)
                 batches = []
                 for micro in range(cfg.train.grad_accum):
                     batch = pipe.get().to(self.device)
@@ -596,14 +614,18 @@ class Trainer:
                     sync_ctx = self.ctx.no_sync(self.model) if micro < cfg.train.grad_accum - 1 else _null()
                     with sync_ctx, autocast:
                         out = loss_and_backward(self.model, self.target, batch, cfg.train, self.num_anchors,
-                                                self.anchor_gen, self.vocab_subset, cfg.train.grad_accum)
+                                                self.anchor_gen, self.vocab_subset, cfg.train.grad_accum,
+                                                self.objective)
                     step_loss += out.loss.detach() / cfg.train.grad_accum
+                    step_weight += out.weight_sum
                     acc_correct += out.correct.detach().float()
                     acc_count += out.count.detach().float()
                     for k, v in out.extra.items():
                         selector_sums[k] = selector_sums[k] + v if k in selector_sums else v.clone()
                     stats.add("trainer", busy=time.perf_counter() - t_busy)
                 t_busy = time.perf_counter()
+                # one normaliser for the whole step: every micro-batch and trainer rank (train/step.py)
+                normalise_gradients(self.drafter, step_weight, self.ctx)
                 grad_norm = clip_gradients(self.drafter, cfg.train.grad_clip)
                 # one host sync per step: the skip decision must agree on every rank
                 finite = bool(torch.isfinite(step_loss) & torch.isfinite(grad_norm))

@@ -35,8 +35,25 @@ def _sharding(ctx) -> str:
     return "fsdp2" if ctx.fsdp else "replicated"
 
 
+def recipe_of(train_cfg) -> dict[str, str]:
+    """What a checkpoint's optimizer state and progress are only valid for: the objective and
+    the optimizer (checkpoints written before they were options: ce_decay / adamw)."""
+    return {"loss": train_cfg.loss, "optimizer": train_cfg.optimizer}
+
+
+def check_recipe(path: Path, objects: dict, train_cfg) -> None:
+    """UserError naming both when this run's objective or optimizer is not the checkpoint's."""
+    saved = dict({"loss": "ce_decay", "optimizer": "adamw"}, **(objects.get("recipe") or {}))
+    now = recipe_of(train_cfg)
+    for key in ("loss", "optimizer"):
+        if saved[key] != now[key]:
+            raise UserError(f"checkpoint {path} was trained with train.{key}={saved[key]}, this run asks for "
+                            f"train.{key}={now[key]}: a resume keeps the {key}; set train.{key}={saved[key]} "
+                            f"or start a new --run-dir (or --resume never)")
+
+
 def checkpoint_payload(drafter: torch.nn.Module, optimizer, scheduler, state: TrainState, ctx,
-                       generators: dict[str, torch.Generator]) -> tuple[dict, dict]:
+                       generators: dict[str, torch.Generator], recipe: dict | None = None) -> tuple[dict, dict]:
     """(tensors, objects) for CheckpointManager.save (see checkpoint/manager.py for "objects")."""
     train_state = state.__dict__.copy()
     train_state["order_state"] = ctx.combine_order_states(state.order_state)
@@ -58,6 +75,7 @@ def checkpoint_payload(drafter: torch.nn.Module, optimizer, scheduler, state: Tr
         "scheduler": scheduler.state_dict(),
         "train_state": train_state,
         "rng": rng_per_trainer,
+        "recipe": recipe or {"loss": "ce_decay", "optimizer": "adamw"},
     }
     return tensors, objects
 
