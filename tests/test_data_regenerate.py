@@ -34,6 +34,39 @@ def test_batched_left_padded_greedy_equals_one_by_one(gemma_tiny):
     assert ids[len(prompts[1]):] == single[1][0]
 
 
+def test_generation_runs_the_packed_head_and_gives_the_same_answers(gemma_tiny, tiny_target_factory, monkeypatch):
+    t = gemma_tiny
+    fmt = ChatFormat(t.tokenizer, t.family)
+    prompts = [fmt.prompt_ids([{"role": "user", "content": q}]) for q in ("Hi", "Tell me about the sea, please.", "Why?")]
+    head = t.model.get_output_embeddings()
+    with t.packed_head_for_generate():
+        swapped = t.model.get_output_embeddings()
+    assert t.model.get_output_embeddings() is head  # restored on exit
+    if swapped is head:
+        pytest.skip("no oneDNN packing on this torch build: generation keeps F.linear")
+    orig_ctx = t.packed_head_for_generate
+    calls = []
+
+    class spying:  # records that generation ran inside the swap
+        def __enter__(self):
+            self.cm = orig_ctx()
+            out = self.cm.__enter__()
+            calls.append(t.model.get_output_embeddings() is not head)
+            return out
+
+        def __exit__(self, *exc):
+            return self.cm.__exit__(*exc)
+
+    monkeypatch.setattr(t, "packed_head_for_generate", spying)
+    packed = generate_answers(t, fmt, prompts, 6, 0.0)
+    assert calls == [True] and t.model.get_output_embeddings() is head
+    monkeypatch.setenv("DFLASH_TRAIN_PACKED_LM_HEAD", "0")
+    plain_target = load_target(TargetConfig(path=str(tiny_target_factory("gemma3"))), device="cpu")
+    with plain_target.packed_head_for_generate():
+        assert plain_target.model.get_output_embeddings() is plain_target.model.lm_head
+    assert generate_answers(plain_target, fmt, prompts, 6, 0.0) == packed
+
+
 def test_regenerate_is_resumable(tmp_path, gemma_tiny, tiny_target_factory):
     src = write_tiny_jsonl(tmp_path / "src.jsonl", n=5)
     out = tmp_path / "regen.jsonl"

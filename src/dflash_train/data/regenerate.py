@@ -18,6 +18,7 @@ with ``data.regenerated=OUT``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -72,7 +73,8 @@ def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_
             torch.manual_seed(generator_seed)
     else:
         kw.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-    with torch.inference_mode():
+    head = target.packed_head_for_generate() if hasattr(target, "packed_head_for_generate") else contextlib.nullcontext()
+    with torch.inference_mode(), head:
         out = target.model.generate(input_ids=ids.to(target.device), attention_mask=att.to(target.device), **kw)
     res = []
     for row in out[:, T:].tolist():
