@@ -138,49 +138,9 @@ class DrafterConfig:
             raise ValueError(f"unknown DrafterConfig keys: {sorted(unknown)}")
         return cls(**{k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()})
 
-    def hf_config_dict(self) -> dict[str, Any]:
-        """The serving `config.json` (what `dflash.model.DFlashDraftModel` / SGLang / vLLM read)."""
-        dflash = {
-            "mask_token_id": self.mask_token_id,
-            "target_layer_ids": list(self.target_layer_ids),
-            "block_size": self.block_size,
-            "input_embedding_scale": self.input_embedding_scale,
-            "output_multiplier": self.output_multiplier,
-            "final_logit_softcapping": self.final_logit_softcapping,
-        }
-        if self.architecture == "dflash2":  # the keys the reference DFlash2DraftModel reads
-            for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-                dflash[k] = int(getattr(self, k))
-        return {
-            "architectures": ["DFlash2DraftModel" if self.architecture == "dflash2" else "DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "intermediate_size": self.intermediate_size,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": dict(self.rope_parameters),
-            "max_position_embeddings": self.max_position_embeddings,
-            "dtype": self.serving_dtype,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": False,
-            "layer_types": list(self.layer_types),
-            # Qwen3Config drops sliding_window unless use_sliding_window is set
-            "use_sliding_window": M.SLIDING in self.layer_types,
-            "sliding_window": self.sliding_window,
-            "num_target_layers": self.num_target_layers,
-            "block_size": self.block_size,
-            "dflash_config": dflash,
-        }
-
     @classmethod
     def from_hf_config_dict(cls, d: dict[str, Any], init_std: float = 0.02) -> "DrafterConfig":
-        """Inverse of hf_config_dict (reads an exported config.json)."""
+        """Inverse of `export.hf_config_dict` (reads an exported config.json; export.py writes it)."""
         df = d.get("dflash_config", {})
         rope = d.get("rope_parameters") or {}
         dflash2 = "DFlash2DraftModel" in (d.get("architectures") or [])
