@@ -130,7 +130,7 @@ def test_sampling_is_lossless_with_the_selector(tiny_target_factory):
 
 
 def test_replay_walks_the_selector_path_as_decoding_does(tiny_target_factory):
-    """Replay (training forward at every anchor; what bench/recipe_ab.py measures) gives the acceptance
+    """Replay (training forward at every anchor; what `dflash-train compare` measures) gives the acceptance
     lengths of real speculative decoding for a DFlash 2 drafter whose selector re-ranks drafts."""
     from dflash_train.eval.replay import replay_acceptance
 

@@ -232,6 +232,29 @@ def export(
 # --------------------------------------------------------------------------- operations
 
 
+@app.command()
+def compare(
+    overrides: List[str] = typer.Argument(None, help="section.key=value overrides shared by every variant"),
+    config: Path = typer.Option(..., "--config", "-c", help="the base YAML config"),
+    variant: List[str] = typer.Option(
+        ..., "--variant", "-v", help="NAME or NAME:key=value,key=value (repeat; NAME alone = the base config)"),
+    out: Path = typer.Option(Path("runs/compare"), "--out", help="one run dir per variant + compare.json"),
+    num_prompts: int = typer.Option(12, "--num-prompts", min=1),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
+    decode: bool = typer.Option(False, "--decode", help="also real speculative decoding with wall-clock tok/s"),
+):
+    """A/B of training recipes: train each variant, score tau against prompt lookup, print the table."""
+
+    def go():
+        from dflash_train.compare import print_table, run_compare
+
+        results = run_compare(config, variant, overrides or [], out, num_prompts, max_new_tokens, decode)
+        print_table(results, decode)
+        typer.echo(f"results: {out / 'compare.json'}")
+
+    _guard(go)
+
+
 def _on_far_end(via: List[str], argv: List[str], timeout: float) -> int:
     """`dflash-train ARGV` on the far end of the --via hops; its output and exit code as they are."""
     from dflash_train.deploy.remote import remote_call

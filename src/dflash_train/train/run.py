@@ -110,6 +110,7 @@ class Trainer:
                  config_origin: str | None = None, evaluator=None) -> None:
         self.cfg = cfg
         self.evaluator = evaluator
+        self.stop_reason: str | None = None  # max_steps, time budget, SIGTERM, ... (run.json at release)
         self.config_origin = config_origin
         self.num_anchors = cfg.train.num_anchors
         self._resume_path: Path | None = None
@@ -546,7 +547,8 @@ class Trainer:
             if self.ckpt is not None and exit_code != 130:
                 self.ckpt.wait()
             if self.record is not None:
-                self.record.release(last_checkpoint=self._last_ckpt_name(), step=self.state.step)
+                self.record.release(last_checkpoint=self._last_ckpt_name(), step=self.state.step,
+                                    stop_reason=self.stop_reason)
             if exit_code != 130:  # after an abort, keep the handler: a third signal still exits 130 at once
                 stopper.uninstall()
         return exit_code
@@ -703,6 +705,7 @@ class Trainer:
             pipe.close()
             metrics.close()
         log.info("stopping at step %d (%s)", self.state.step, stop_reason)
+        self.stop_reason = stop_reason  # run.json says why the run ended (compare resumes what did not finish)
         if self.state.step != self._last_saved and self.state.step > 0:
             self._save(stop_reason or "stop")
         self.ckpt.wait()

@@ -1,0 +1,314 @@
+"""`dflash-train compare`: an A/B of training recipes on the user's own config and data,
+scored by greedy acceptance on held-out prompts with prompt lookup beside it.
+
+    dflash-train compare --config my.yaml --out runs/ab \\
+        --variant base --variant dpace:train.loss=dpace --variant muon:train.optimizer=muon
+
+Each variant is a real `dflash-train train` run (its own subprocess and run dir
+OUT/NAME: base config + the shared overrides + the variant's). A variant that
+was stopped (Ctrl-C, `dflash-train stop`) resumes from its checkpoint the next
+time the same command runs; a finished one is not trained again. Then each is
+scored on the same held-out prompts (`pick_eval_prompts` over the base config's
+data, as the demo and the in-training eval pick them):
+
+* tau: acceptance length of greedy speculative decoding, by replay
+  (eval/replay.py; tests/test_eval_replay.py holds it equal to real decoding);
+  the target's greedy outputs are decoded once and cached in OUT;
+* prompt lookup (n = 3..1, k = block_size - 1 draft tokens) on the same outputs;
+* with `data.regenerated` set (target-written answers), the same two on the
+  first training answers: a high tau there and a low one held out is memorisation;
+* `--decode`: real speculative decoding besides, with wall-clock tok/s of plain,
+  DFlash and prompt-lookup decoding, each checked lossless (what `eval` reports).
+
+The table is printed and written to OUT/compare.json.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from dflash_train.config import ConfigError, load_config
+from dflash_train.errors import UserError
+
+RESULTS_FILE = "compare.json"
+FINISHED = ("max_steps", "time budget")  # stop reasons of a run that used its whole budget
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[str, ...]
+
+
+def split_overrides(text: str) -> list[str]:
+    """`a=1,b=[1,2]` -> ["a=1", "b=[1,2]"]: commas inside brackets or quotes belong to the value."""
+    out, cur, depth, quote = [], "", 0, None
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+            continue
+        cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return [x for x in out if x]
+
+
+def parse_variants(specs: Sequence[str]) -> list[Variant]:
+    """NAME or NAME:key=value,key=value. Names are run-dir names, so plain and unique."""
+    out: list[Variant] = []
+    for spec in specs:
+        name, _, rest = spec.partition(":")
+        name = name.strip()
+        if not name or not all(c.isalnum() or c in "-_." for c in name) or name.startswith("."):
+            raise UserError(f"--variant {spec!r}: the name before ':' must be letters, digits, '-', '_' or '.'")
+        if any(v.name == name for v in out):
+            raise UserError(f"--variant {spec!r}: the name {name!r} is used twice")
+        overrides = split_overrides(rest)
+        bad = [x for x in overrides if "=" not in x]
+        if bad:
+            raise UserError(f"--variant {spec!r}: {bad[0]!r} is not section.key=value")
+        out.append(Variant(name, tuple(overrides)))
+    if not out:
+        raise UserError("compare needs at least one --variant")
+    return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _run_record(run_dir: Path) -> dict:
+    from dflash_train.rundir import read_record
+
+    return read_record(run_dir) or {}
+
+
+def _train_stats(run_dir: Path) -> dict[str, Any]:
+    from dflash_train.rundir import read_metrics
+
+    steps = [r for r in read_metrics(run_dir) if "loss" in r]
+    if not steps:
+        return {"steps": 0}
+    last = steps[-1]
+    return {"steps": last.get("step"),
+            "train_s": last["time"] - steps[0]["time"],
+            "tok_s": _mean([r["tokens_per_s"] for r in steps[len(steps) // 2:]]),
+            "expected_tau_train": last.get("expected_tau"),
+            "acc": {k: round(v, 3) for k, v in last.items() if k.startswith("acc_")}}
+
+
+class _ForwardSignals:
+    """While a variant trains, SIGINT/SIGTERM go to it (it checkpoints at a step boundary)
+    and compare stops after it, without scoring a half-trained variant."""
+
+    def __init__(self) -> None:
+        self.child: subprocess.Popen | None = None
+        self.signal: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self._old[s] = signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def train_variant(config: Path, shared: Sequence[str], v: Variant, run_dir: Path, fwd: _ForwardSignals) -> None:
+    """Train (or resume) one variant to the end of its budget; skip it when it already got there."""
+    if _run_record(run_dir).get("stop_reason") in FINISHED:
+        print(f"[{v.name}] already trained ({run_dir})", flush=True)
+        return
+    cmd = [sys.executable, "-m", "dflash_train.cli", "train", "--config", str(config), "--run-dir", str(run_dir),
+           *shared, *v.overrides]
+    print(f"[{v.name}] training: {' '.join(cmd[3:])}", flush=True)
+    fwd.child = subprocess.Popen(cmd, env=dict(os.environ))
+    code = fwd.child.wait()
+    fwd.child = None
+    if fwd.signal is not None:
+        raise UserError(f"stopped by {signal.Signals(fwd.signal).name} while training {v.name!r}; its checkpoint "
+                        f"is in {run_dir}; run the same command again to resume")
+    if code != 0:
+        raise UserError(f"variant {v.name!r}: training exited with code {code} (log: {run_dir / 'logs' / 'train.log'})")
+    reason = _run_record(run_dir).get("stop_reason")
+    if reason not in FINISHED:
+        raise UserError(f"variant {v.name!r}: training stopped early ({reason}); run the same command again to resume")
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def greedy_outputs(target, prompts: Sequence[str], max_new_tokens: int, cache_dir: Path) -> list[tuple[list[int], int]]:
+    """(prompt + greedy new tokens, prompt length) per prompt, cached by prompts, length and target."""
+    from dflash_train.eval.prompts import encode_prompts
+    from dflash_train.eval.specdec import plain_generate
+
+    key = hashlib.sha256(json.dumps([list(prompts), max_new_tokens, str(target)]).encode()).hexdigest()[:16]
+    f = cache_dir / f"greedy-{key}.json"
+    if f.exists():
+        return [(list(s), int(n)) for s, n in json.loads(f.read_text())]
+    ids, stops = encode_prompts(target, prompts)
+    out = []
+    for p in ids:
+        seq = plain_generate(target, torch.tensor([p], device=target.device), max_new_tokens, stops)[0].tolist()
+        out.append((seq, len(p)))
+    f.write_text(json.dumps(out))
+    return out
+
+
+def training_answers(target, regenerated: str, n: int) -> list[tuple[list[int], int]]:
+    """The first n target-written training answers as (prompt + answer ids, prompt length)."""
+    from dflash_train.data.sources import read_conversations
+    from dflash_train.eval.prompts import encode_prompts
+
+    convs, _ = read_conversations(f"jsonl:{regenerated}", n)
+    convs = convs[:n]
+    ids, _ = encode_prompts(target, [c.prompt for c in convs])
+    return [(p + target.tokenizer(c.reference, add_special_tokens=False).input_ids, len(p))
+            for c, p in zip(convs, ids)]
+
+
+def ngram_tau(outputs, k: int) -> float:
+    from dflash_train.eval.ngram import propose
+    from dflash_train.eval.replay import walk_acceptance
+
+    acc: list[int] = []
+    for seq, n in outputs:
+        acc += walk_acceptance(seq, n, lambda s, seq=seq: propose(seq[: s + 1], k))
+    return _mean(acc)
+
+
+def drafter_tau(drafter, target, outputs) -> float:
+    from dflash_train.eval.replay import replay_acceptance
+
+    acc: list[int] = []
+    for seq, n in outputs:
+        acc += replay_acceptance(drafter, target, seq, n)
+    return _mean(acc)
+
+
+def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: int, decode: bool) -> dict[str, Any]:
+    from dflash_train.export import resolve_drafter_source
+    from dflash_train.model.dflash2 import build_drafter
+
+    src = resolve_drafter_source(run_dir)
+    drafter = build_drafter(src.config).to(target.device)
+    drafter.load_state_dict(src.state_dict)
+    drafter.eval()
+    k = int(src.config.block_size) - 1
+    row: dict[str, Any] = {"tau_heldout": drafter_tau(drafter, target, held), "tau_ngram_heldout": ngram_tau(held, k)}
+    if seen:
+        row.update(tau_train_answers=drafter_tau(drafter, target, seen), tau_ngram_train_answers=ngram_tau(seen, k))
+    if decode:
+        from dflash_train.eval.command import evaluate_tau
+
+        r = evaluate_tau(drafter, target, prompts, max_new_tokens)
+        row["decode"] = {key: r[key] for key in ("tau", "tau_ngram", "tokens_per_s_plain", "tokens_per_s_spec",
+                                                  "tokens_per_s_ngram", "speedup", "speedup_ngram",
+                                                  "outputs_match", "outputs_match_ngram")}
+    return row
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def print_table(results: dict[str, dict], decode: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="recipe A/B: tau = tokens per target forward (greedy); prompt lookup = no training")
+    cols = ["variant", "steps", "train s", "tok/s", "tau held-out", "prompt lookup", "tau train answers",
+            "prompt lookup (train)"]
+    if decode:
+        cols += ["tok/s plain", "tok/s DFlash", "tok/s lookup", "lossless"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "variant" else "right")
+
+    def f(v, spec=".2f"):
+        return "-" if v is None else format(v, spec)
+
+    for name, r in results.items():
+        cells = [name, str(r.get("steps") or 0), f(r.get("train_s"), ".0f"), f(r.get("tok_s"), ".0f"),
+                 f(r.get("tau_heldout")), f(r.get("tau_ngram_heldout")), f(r.get("tau_train_answers")),
+                 f(r.get("tau_ngram_train_answers"))]
+        if decode:
+            d = r.get("decode") or {}
+            cells += [f(d.get("tokens_per_s_plain"), ".1f"), f(d.get("tokens_per_s_spec"), ".1f"),
+                      f(d.get("tokens_per_s_ngram"), ".1f"),
+                      "-" if not d else str(bool(d.get("outputs_match")) and bool(d.get("outputs_match_ngram")))]
+        t.add_row(*cells)
+    Console(width=200).print(t)
+
+
+def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str], out: Path,
+                num_prompts: int = 12, max_new_tokens: int = 64, decode: bool = False,
+                num_train_answers: int | None = None) -> dict[str, dict]:
+    from dflash_train.data import load_prepared
+    from dflash_train.eval.prompts import pick_eval_prompts
+    from dflash_train.targets import load_target
+
+    variants = parse_variants(variant_specs)
+    if not Path(config).is_file():
+        raise UserError(f"--config {config}: no such file")
+    # every variant's config is checked before anything trains: a typo in the last one costs nothing
+    for v in variants:
+        try:
+            load_config(config, [*shared, *v.overrides])
+        except ConfigError as e:
+            one_line = " ".join(x.strip() for x in str(e).splitlines() if x.strip())
+            raise UserError(f"variant {v.name!r}: {one_line}") from None
+    cfg = load_config(config, list(shared))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with _ForwardSignals() as fwd:
+        for v in variants:
+            train_variant(Path(config), shared, v, out / v.name, fwd)
+
+    target = load_target(cfg.target)
+    base = load_prepared(cfg, target.tokenizer, target.family)
+    prompts = pick_eval_prompts(base.heldout, num_prompts, target, cfg.data.max_tokens)
+    if not prompts:
+        raise UserError(f"{config}: no held-out prompt fits data.max_tokens={cfg.data.max_tokens} "
+                        f"(raise data.heldout_fraction or data.max_tokens)")
+    held = greedy_outputs(target, prompts, max_new_tokens, out)
+    seen = training_answers(target, cfg.data.regenerated, num_train_answers or num_prompts) \
+        if cfg.data.regenerated else []
+    results: dict[str, dict] = {}
+    for v in variants:
+        run_dir = out / v.name
+        t0 = time.perf_counter()
+        row = {"overrides": [*shared, *v.overrides], **_train_stats(run_dir)}
+        row.update(score_variant(run_dir, target, held, seen, prompts, max_new_tokens, decode))
+        row.update(num_prompts=len(held), max_new_tokens=max_new_tokens, score_s=time.perf_counter() - t0)
+        results[v.name] = row
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return results
