@@ -137,6 +137,13 @@ class TrainConfig(_Section):
     loss_dpace_alpha: float = Field(0.5, ge=0, le=1)
     # LK^lambda: lambda = exp(-eta * acceptance), the KL share
     loss_lk_eta: float = Field(3.0, gt=0)
+    # where the loss's blocks are anchored: uniform over the supervised positions, or on_policy =
+    # the anchors greedy speculative decoding with the current drafter visits on the training
+    # answers (model/on_policy.py; + one no-grad drafter forward over every position per step),
+    # from step on_policy_start * max_steps on (0: from the start; a finished run can be resumed
+    # with train.anchors=on_policy and a larger max_steps as a second, on-policy phase)
+    anchors: Literal["uniform", "on_policy"] = "uniform"
+    on_policy_start: float = Field(0.5, ge=0, le=1)
     # adamw, or muon: Muon (torch.optim.Muon) on 2-D matrices at lr * muon_lr_mult, AdamW on the rest
     optimizer: Literal["adamw", "muon"] = "adamw"
     muon_lr_mult: float = Field(10.0, gt=0)
@@ -362,6 +369,8 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "train.lr", "train.min_lr_ratio", "train.warmup_fraction",
     # placement / speed only
     "train.device", "train.compile", "train.loss_chunk_blocks", "target.device",
+    # which positions anchor the blocks: an on-policy phase may follow a uniform one
+    "train.anchors", "train.on_policy_start",
     "data.cache_dir", "data.num_workers",
     "pipeline.queue_depth", "pipeline.num_target_workers", "pipeline.cache_features",
     "checkpoint.*", "eval.*", "logging.*", "demo.*",

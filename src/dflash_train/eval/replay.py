@@ -25,6 +25,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from dflash_train.model.on_policy import draft_everywhere
+
 
 def walk_acceptance(output: Sequence[int], n_prompt: int, propose: Callable[[int], Sequence[int]]) -> list[int]:
     """Acceptance lengths of greedy speculative decoding that produced `output` (prompt + new tokens).
@@ -49,26 +51,14 @@ def walk_acceptance(output: Sequence[int], n_prompt: int, propose: Callable[[int
 @torch.no_grad()
 def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int) -> torch.Tensor:
     """[T - 1 - n_prompt, bs - 1] greedy drafts at anchors n_prompt..T-2 from one training forward."""
-    cfg = drafter.cfg
-    bs = int(cfg.block_size)
     device = target.device
     seq = torch.tensor([list(output)], dtype=torch.long, device=device)
     T = seq.shape[1]
     doc = torch.zeros(1, T, dtype=torch.int32, device=device)
-    feats = target.capture(seq, doc, cfg.target_layer_ids)
-    anchors = torch.arange(int(n_prompt), T - 1, device=device)[None]
-    A = anchors.shape[1]
-    block = torch.full((1, A, bs), int(cfg.mask_token_id), dtype=torch.long, device=device)
-    block[0, :, 0] = seq[0, anchors[0]]
-    embeds = target.embed(block.view(1, A * bs))
-    hidden = drafter(embeds, anchors, torch.ones_like(anchors, dtype=torch.bool), doc,
-                     features=feats.to(embeds.dtype))
-    hidden = hidden.view(A, bs, -1)[:, 1:]
-    logits = target.logits(hidden)
-    selector = getattr(drafter, "candidate_selector", None)
-    if selector is not None:  # DFlash 2: the selector's greedy path from each anchor token, as decoding drafts
-        return selector.select(hidden, logits, block[0, :, 0], 0.0)[0]
-    return torch.argmax(logits, dim=-1)
+    feats = target.capture(seq, doc, drafter.cfg.target_layer_ids)
+    ok = torch.zeros(1, T, dtype=torch.bool, device=device)
+    ok[0, int(n_prompt):T - 1] = True
+    return draft_everywhere(drafter, target, seq, doc, feats, ok)[0, int(n_prompt):T - 1]
 
 
 def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int) -> list[int]:

@@ -285,7 +285,7 @@ def selector_loss(selector: CandidateSelector, h: torch.Tensor, anchor_ids: torc
 
 def selector_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
     """Ratios of accumulated selector sums (one host read): the metrics.jsonl fields of a DFlash 2 run."""
-    if not sums:
+    if "sel_loss" not in sums:  # not a DFlash 2 run (the trainer's sums may hold others' keys)
         return {}
     v = dict(zip(SELECTOR_SUMS, torch.stack([sums[k].double() for k in SELECTOR_SUMS]).tolist()))
     rows, blocks = max(v["sel_rows"], 1.0), max(v["sel_blocks"], 1.0)

@@ -54,9 +54,11 @@ def sample_anchors(
     num_anchors: int,
     block_size: int,
     generator: torch.Generator,
+    offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, up to num_anchors positions a drawn uniformly without replacement among the valid
-    ones (loss_mask[a] and loss_mask[a+1], same document, not padding).
+    ones (loss_mask[a] and loss_mask[a+1], same document, not padding). `offset` [B, T] (0 or 1
+    at valid positions) draws every offset-0 position before any offset-1 one (on_policy.py).
 
     Returns anchors [B, A] long and valid [B, A] bool, A = num_anchors: valid anchors first,
     ascending, then padding (anchor 0, valid False). Randomness comes ONLY from `generator`
@@ -72,18 +74,20 @@ def sample_anchors(
     if T >= 2:
         ok[:, :-1] = lm[:, :-1] & lm[:, 1:] & (document_ids[:, :-1] == document_ids[:, 1:]) & (document_ids[:, :-1] >= 0)
     A = int(num_anchors)
-    # random keys; invalid positions get key 2 (> any rand) so they sort last
+    # random keys; invalid positions get key 4 (> any rand + offset) so they sort last
     keys = torch.rand(B, T, generator=generator, device=generator.device)
     if keys.device != dev:
         # CPU generator, CUDA batch: pinned + non_blocking so the copy does not sync the host
         if dev.type == "cuda":
             keys = keys.pin_memory()
         keys = keys.to(dev, non_blocking=True)
-    keys = torch.where(ok, keys, torch.full_like(keys, 2.0))
+    if offset is not None:
+        keys = keys + offset.to(keys.dtype)
+    keys = torch.where(ok, keys, torch.full_like(keys, 4.0))
     if A > T:
-        keys = torch.cat([keys, keys.new_full((B, A - T), 3.0)], dim=1)
+        keys = torch.cat([keys, keys.new_full((B, A - T), 5.0)], dim=1)
     picked_keys, picked = torch.topk(keys, A, dim=1, largest=False, sorted=True)
-    valid = picked_keys < 1.5
+    valid = picked_keys < 3.0
     # ascending positions with padding last: sort by (valid first, position)
     order_key = torch.where(valid, picked, picked.new_full(picked.shape, T + A + 1))
     order_key, _ = torch.sort(order_key, dim=1)

@@ -23,6 +23,7 @@ from dflash_train.config import RunConfig, save_config
 from dflash_train.rundir import RunDirBusy, RunRecord, check_not_busy
 from dflash_train.train.state import TrainState, check_recipe, checkpoint_payload, recipe_of, restore_payload
 from dflash_train.model.dflash2 import selector_metrics
+from dflash_train.model.on_policy import on_policy_metrics
 from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer, normalise_gradients
 from dflash_train.utils import code_version, resolve_device
 
@@ -553,6 +554,10 @@ class Trainer:
                 stopper.uninstall()
         return exit_code
 
+    def _on_policy_step(self) -> bool:
+        t = self.cfg.train
+        return t.anchors == "on_policy" and self.state.step >= int(t.on_policy_start * t.max_steps)
+
     def _on_commit(self, step: int, path: Path) -> None:
         if self.record is not None:  # writer thread; RunRecord.update is thread-safe
             self.record.update(last_checkpoint=Path(path).name)
@@ -617,7 +622,7 @@ class Trainer:
                     with sync_ctx, autocast:
                         out = loss_and_backward(self.model, self.target, batch, cfg.train, self.num_anchors,
                                                 self.anchor_gen, self.vocab_subset, cfg.train.grad_accum,
-                                                self.objective)
+                                                self.objective, on_policy=self._on_policy_step())
                     step_loss += out.loss.detach() / cfg.train.grad_accum
                     step_weight += out.weight_sum
                     acc_correct += out.correct.detach().float()
@@ -677,6 +682,7 @@ class Trainer:
                     for k, a in enumerate(acc, start=1):
                         rec[f"acc_{k}"] = a
                     rec.update(selector_metrics(selector_sums))
+                    rec.update(on_policy_metrics(selector_sums))
                     selector_sums.clear()
                     rec.update(stats.snapshot_and_reset())
                     metrics.log(rec)

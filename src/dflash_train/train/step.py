@@ -13,27 +13,36 @@ from __future__ import annotations
 
 import torch
 
-from dflash_train.model.loss import LossOutput, dflash_loss
+from dflash_train.model.loss import LossOutput, dflash_loss, unwrap
+from dflash_train.model.on_policy import on_policy_anchors
 from dflash_train.model.objectives import Objective
 from dflash_train.train.optim import make_optimizer  # noqa: F401 - the trainer's and bench's entry point
 
 
 def loss_and_backward(model, target, batch, train_cfg, num_anchors: int, generator: torch.Generator,
                       vocab_subset: torch.Tensor | None = None, grad_accum: int = 1,
-                      objective: Objective | None = None) -> LossOutput:
+                      objective: Objective | None = None, on_policy: bool = False) -> LossOutput:
     """Forward + loss of one micro-batch (a TrainBatch on the model's device) and the backward
     of its unnormalised total (see the module doc; `grad_accum` is kept for callers, the
     normalisation by the step's weight sum replaces the division by it). The caller holds
     autocast / no_sync around it and calls `normalise_gradients` after the last micro-batch."""
     del grad_accum
+    objective = objective or Objective.from_train_config(train_cfg)
+    anchors, sums = None, {}
+    if on_policy:  # train.anchors=on_policy: where decoding with the current drafter goes (model/on_policy.py)
+        width = int(unwrap(model).fc.weight.shape[1])  # the teacher objectives' extra channels are not its input
+        a, v, sums = on_policy_anchors(model, target, batch.input_ids, batch.loss_mask, batch.document_ids,
+                                       batch.features[..., :width], num_anchors, generator, vocab_subset)
+        anchors = (a, v)
     out = dflash_loss(
         model, target, batch.input_ids, batch.loss_mask, batch.document_ids, batch.features,
         num_anchors=num_anchors, generator=generator, gamma=train_cfg.loss_gamma,
         chunk_blocks=train_cfg.loss_chunk_blocks, vocab_subset=vocab_subset,
         selector_loss_weight=getattr(train_cfg, "selector_loss_weight", 1.0),
-        objective=objective or Objective.from_train_config(train_cfg),
+        objective=objective, anchors=anchors,
     )
     out.total.backward()
+    out.extra.update(sums)
     return out
 
 

@@ -1,0 +1,136 @@
+"""On-policy anchors: train where greedy speculative decoding with the CURRENT drafter goes.
+
+Greedy DFlash decoding drafts one block at an anchor, keeps the matching prefix plus the
+target's token, and drafts the next block at the position after it. Every context it
+drafts from is the target's own output, so on target-written answers (`regenerate`,
+greedy) the decoding's states are the training rows themselves: what is on-policy is
+WHICH anchors decoding visits - the start of each answer and every position right
+after a rejection (Draft-OPD, arXiv 2605.29343, replays drafting from such
+"verification-exposed error positions"; with a DFlash drafter the target-assisted
+rollout needs no new generation, the training row is it).
+
+`on_policy_anchors` drafts a block at every candidate anchor of the rows in one no-grad
+forward, walks each answer span the way decoding does (accept the matching prefix, jump
+past it) and picks the training anchors among the visited positions first, the other
+candidates after (uniformly at random within each group, one torch.rand of [B, T] from
+the generator, like `sample_anchors`, so a saved generator state replays them).
+Proposals are the argmax over the loss's vocabulary (`vocab_subset` when set).
+"""
+from __future__ import annotations
+
+import torch
+
+from dflash_train.model.loss import _head, sample_anchors, unwrap
+
+
+def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: positions `sample_anchors` may draw (supervised, followed by a supervised
+    token of the same document)."""
+    lm = loss_mask.bool()
+    ok = torch.zeros_like(lm)
+    if lm.shape[1] >= 2:
+        ok[:, :-1] = lm[:, :-1] & lm[:, 1:] & (document_ids[:, :-1] == document_ids[:, 1:]) & (document_ids[:, :-1] >= 0)
+    return ok
+
+
+@torch.no_grad()
+def draft_everywhere(drafter, target, input_ids, document_ids, features, ok, vocab_subset=None,
+                     max_chunk_logits: int = 1 << 25) -> torch.Tensor:
+    """[B, T, bs-1] the drafter's greedy drafts at every position where `ok` (others: -1), from
+    one forward: what decoding would propose there given the same context (eval/replay.py).
+
+    Full vocabulary: the target's logits, and a DFlash 2 drafter's selector path, as decoding
+    drafts. With `vocab_subset`: the argmax over the subset (the loss's vocabulary)."""
+    core = unwrap(drafter)
+    bs = int(core.cfg.block_size)
+    B, T = input_ids.shape
+    A = max(1, int(ok.sum(1).max()))
+    # all candidates of a row, ascending, padded with position 0 (valid False)
+    pos = torch.arange(T, device=ok.device).expand(B, T)
+    anchors = torch.sort(torch.where(ok, pos, pos + T), dim=1).values[:, :A]
+    valid = anchors < T
+    anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    block = torch.full((B, A, bs), int(core.cfg.mask_token_id), dtype=torch.long, device=input_ids.device)
+    block[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    dtype = core.fc.weight.dtype
+    embeds = target.embed(block.view(B, A * bs)).to(dtype)
+    hidden = core(embeds, anchors, valid, document_ids, features=features.to(dtype))
+    h = hidden.view(B * A, bs, -1)[:, 1:]  # [B*A, bs-1, H]
+    first = block[:, :, 0].reshape(-1)
+    selector = getattr(core, "candidate_selector", None) if vocab_subset is None else None
+    V = int(target.lm_head_weight.shape[0]) if vocab_subset is None else int(vocab_subset.numel())
+    step = max(1, max_chunk_logits // ((bs - 1) * V))
+    preds = torch.empty(B * A, bs - 1, dtype=torch.long, device=h.device)
+    for s in range(0, B * A, step):
+        hs = h[s:s + step]
+        if vocab_subset is None:
+            logits = target.logits(hs)
+            preds[s:s + step] = selector.select(hs, logits, first[s:s + step], 0.0)[0] if selector is not None \
+                else logits.argmax(-1)
+        else:  # the target's multiplier and soft-cap are monotone: the argmax of the raw product is the same
+            W = _head(target, vocab_subset)[0]
+            preds[s:s + step] = vocab_subset.to(h.device).long()[(hs.to(W.dtype) @ W.T).argmax(-1)]
+    out = torch.full((B, T, bs - 1), -1, dtype=torch.long, device=input_ids.device)
+    rows = torch.arange(B, device=ok.device)[:, None].expand(B, A)
+    out[rows[valid], anchors[valid]] = preds.view(B, A, bs - 1)[valid]
+    return out
+
+
+def visited_anchors(input_ids: torch.Tensor, ok: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the anchors greedy decoding visits when it writes each answer span.
+
+    A span starts at a valid anchor whose previous position is not one (the answer's first
+    token, which the target's prefill gives); at anchor s the draft's prefix matching
+    input_ids[s+1:] is accepted and decoding moves to s + accepted + 1."""
+    B, T = ok.shape
+    bs1 = drafts.shape[-1]
+    k = torch.arange(1, bs1 + 1, device=ok.device)
+    pos = (torch.arange(T, device=ok.device)[:, None] + k).clamp(max=T - 1)  # [T, bs-1]
+    truth = input_ids[:, pos]  # [B, T, bs-1]
+    # a drafted token counts only while it stays inside the span (a supervised, same-document run)
+    inside = torch.zeros(B, T + 1, dtype=torch.long, device=ok.device)
+    inside[:, :T] = ok.long()
+    run = torch.zeros(B, T, dtype=torch.long, device=ok.device)  # valid anchors from here on, in a row
+    for t in range(T - 1, -1, -1):  # T <= a few thousand; cheap next to the forward
+        run[:, t] = (run[:, t + 1] + 1) * inside[:, t] if t + 1 < T else inside[:, t]
+    match = (drafts == truth).long().cumprod(-1).sum(-1)  # accepted prefix length at each anchor
+    # the span's last token ends decoding: at most run - 1 drafted tokens fit after anchor s
+    accepted = torch.minimum(match, run - 1)
+    starts = ok.clone()
+    starts[:, 1:] &= ~ok[:, :-1]
+    visited = torch.zeros_like(ok)
+    acc, st, okl = accepted.tolist(), starts.tolist(), ok.tolist()
+    for b in range(B):
+        s = 0
+        while s < T:
+            if st[b][s]:
+                while s < T and okl[b][s]:
+                    visited[b, s] = True
+                    s += acc[b][s] + 1
+            else:
+                s += 1
+    return visited
+
+
+def on_policy_anchors(drafter, target, input_ids, loss_mask, document_ids, features, num_anchors: int,
+                      generator: torch.Generator, vocab_subset=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(anchors [B, A], valid [B, A], sums): the anchors decoding visits first, then the other
+    valid ones, each group in random order; A = num_anchors. sums (device scalars, summed over
+    a logging interval by the trainer): op_visited, op_candidates (see `on_policy_metrics`)."""
+    ok = valid_anchor_mask(loss_mask, document_ids)
+    drafts = draft_everywhere(drafter, target, input_ids, document_ids, features, ok, vocab_subset)
+    visited = visited_anchors(input_ids, ok, drafts)
+    # sample_anchors draws the visited anchors (keys in [0, 1)) before the others ([1, 2))
+    anchors, valid = sample_anchors(loss_mask, document_ids, num_anchors, int(unwrap(drafter).cfg.block_size),
+                                    generator, offset=(~visited).float())
+    return anchors, valid, {"op_visited": visited.sum(), "op_candidates": ok.sum()}
+
+
+def on_policy_metrics(sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    """metrics.jsonl fields of on-policy steps: `on_policy_tau`, tokens per decoding step of the
+    current drafter walked along the training answers (every valid anchor is one drafted
+    token position; each visit is one target forward), and the fraction of anchors visited."""
+    if "op_visited" not in sums:
+        return {}
+    visited, cand = float(sums["op_visited"]), float(sums["op_candidates"])
+    return {"on_policy_tau": cand / max(visited, 1.0), "on_policy_visited_frac": visited / max(cand, 1.0)}
