@@ -47,7 +47,7 @@ def _hidden_states(t, x: torch.Tensor):
 @pytest.mark.parametrize("family", available())
 def test_family(family, tmp_path, caplog):
     tdir = build_zoo_target(tmp_path / family, family)
-    with caplog.at_level(logging.INFO, logger="dflash_train.targets"):
+    with caplog.at_level(logging.INFO, logger="dflash_train.targets.model"):
         t = load_target(TargetConfig(path=str(tdir), device="cpu", dtype="float32"))
     if family == "gpt_oss":
         assert t.model.config._attn_implementation == "eager"

@@ -87,7 +87,8 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from dflash_train.config import EMBEDDED_TARGET
-    from dflash_train.targets.loading import first_line, load_target, load_tokenizer, resolve_dtype, serving_dtype_of
+    from dflash_train.targets.model import (
+        _first_line, load_target, load_tokenizer, resolve_dtype, serving_dtype_of)
 
     size = dist.get_world_size(group)
     spec = cfg.path
@@ -97,7 +98,7 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
         try:
             hf_cfg = AutoConfig.from_pretrained(path)
         except Exception as e:  # noqa: BLE001
-            raise TargetError(f"{path}: cannot read the target's config ({first_line(e)})") from None
+            raise TargetError(f"{path}: cannot read the target's config ({_first_line(e)})") from None
         base = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_cfg), None)
     if base is None:
         log.info("%s: not a causal-LM safetensors directory; loading it whole, then sharding", spec)
@@ -127,7 +128,7 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
     except TargetError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's broken file: one line naming it
-        raise TargetError(f"{path}: cannot load the target sharded over {size} ranks ({first_line(e)})") from None
+        raise TargetError(f"{path}: cannot load the target sharded over {size} ranks ({_first_line(e)})") from None
     model.eval()
     model.requires_grad_(False)
     if tokenizer is None:
