@@ -299,6 +299,7 @@ def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str
     if not prompts:
         raise UserError(f"{config}: no held-out prompt fits data.max_tokens={cfg.data.max_tokens} "
                         f"(raise data.heldout_fraction or data.max_tokens)")
+    print(f"scoring on {len(prompts)} held-out prompts x {max_new_tokens} greedy tokens of the target", flush=True)
     held = greedy_outputs(target, prompts, max_new_tokens, out)
     seen = training_answers(target, cfg.data.regenerated, num_train_answers or num_prompts) \
         if cfg.data.regenerated else []
@@ -310,5 +311,7 @@ def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str
         row.update(score_variant(run_dir, target, held, seen, prompts, max_new_tokens, decode))
         row.update(num_prompts=len(held), max_new_tokens=max_new_tokens, score_s=time.perf_counter() - t0)
         results[v.name] = row
+        print(f"[{v.name}] tau held-out {row['tau_heldout']:.3f} (prompt lookup {row['tau_ngram_heldout']:.3f}), "
+              f"scored in {row['score_s']:.0f}s", flush=True)
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
     return results

@@ -35,7 +35,7 @@ def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> to
 
 @torch.no_grad()
 def draft_everywhere(drafter, target, input_ids, document_ids, features, ok, vocab_subset=None,
-                     max_chunk_logits: int = 1 << 25) -> torch.Tensor:
+                     max_chunk_logits: int = 1 << 27) -> torch.Tensor:
     """[B, T, bs-1] the drafter's greedy drafts at every position where `ok` (others: -1), from
     one forward: what decoding would propose there given the same context (eval/replay.py).
 
