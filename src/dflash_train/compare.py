@@ -8,8 +8,8 @@ Each variant is a real `dflash-train train` run (its own subprocess and run dir
 OUT/NAME: base config + the shared overrides + the variant's). A variant that
 was stopped (Ctrl-C, `dflash-train stop`) resumes from its checkpoint the next
 time the same command runs; a finished one is not trained again. Then each is
-scored on the same held-out prompts (`pick_eval_prompts` over the base config's
-data, as the demo and the in-training eval pick them):
+scored on the same held-out prompts (`pick_eval_prompts` over the held-out
+conversations of the base config's `data.source`, as the demo picks them):
 
 * tau: acceptance length of greedy speculative decoding, by replay
   (eval/replay.py; tests/test_eval_replay.py holds it equal to real decoding);
@@ -294,7 +294,11 @@ def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str
             train_variant(Path(config), shared, v, out / v.name, fwd)
 
     target = load_target(cfg.target)
-    base = load_prepared(cfg, target.tokenizer, target.family)
+    # the held-out prompts of data.source, as the demo picks them: target-written answers
+    # (data.regenerated) hold only the few held-out conversations that were regenerated
+    source_cfg = cfg.model_copy(deep=True)
+    source_cfg.data.regenerated = None
+    base = load_prepared(source_cfg, target.tokenizer, target.family)
     prompts = pick_eval_prompts(base.heldout, num_prompts, target, cfg.data.max_tokens)
     if not prompts:
         raise UserError(f"{config}: no held-out prompt fits data.max_tokens={cfg.data.max_tokens} "
