@@ -47,7 +47,7 @@ def _hidden_states(t, x: torch.Tensor):
 @pytest.mark.parametrize("family", available())
 def test_family(family, tmp_path, caplog):
     tdir = build_zoo_target(tmp_path / family, family)
-    with caplog.at_level(logging.INFO, logger="dflash_train.targets.model"):
+    with caplog.at_level(logging.INFO, logger="dflash_train.targets.loading"):
         t = load_target(TargetConfig(path=str(tdir), device="cpu", dtype="float32"))
     if family == "gpt_oss":
         assert t.model.config._attn_implementation == "eager"
@@ -65,7 +65,7 @@ def test_family(family, tmp_path, caplog):
         docs.append((p, x))
         p += n
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="dflash_train.targets.model"):
+    with caplog.at_level(logging.INFO, logger="dflash_train.targets.loading"):
         feats = t.capture(ids, doc, LAYERS)
         t.capture(ids, doc, LAYERS)
     for p, x in docs:

@@ -4,3 +4,9 @@
 
 class UserError(Exception):
     pass
+
+
+def first_line(e: BaseException) -> str:
+    """``Type: first line of the message``: a library's exception inside a one-line user error."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")

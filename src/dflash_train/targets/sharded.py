@@ -38,6 +38,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from dflash_train.config import EMBEDDED_TARGET
+from dflash_train.errors import first_line
+from dflash_train.targets.loading import load_target, load_tokenizer, resolve_dtype, serving_dtype_of
 from dflash_train.targets.model import Target, TargetError
 
 log = logging.getLogger(__name__)
@@ -86,10 +89,6 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
     from transformers.distributed.configuration_utils import DistributedConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from dflash_train.config import EMBEDDED_TARGET
-    from dflash_train.targets.model import (
-        _first_line, load_target, load_tokenizer, resolve_dtype, serving_dtype_of)
-
     size = dist.get_world_size(group)
     spec = cfg.path
     base = None
@@ -98,7 +97,7 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
         try:
             hf_cfg = AutoConfig.from_pretrained(path)
         except Exception as e:  # noqa: BLE001
-            raise TargetError(f"{path}: cannot read the target's config ({_first_line(e)})") from None
+            raise TargetError(f"{path}: cannot read the target's config ({first_line(e)})") from None
         base = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_cfg), None)
     if base is None:
         log.info("%s: not a causal-LM safetensors directory; loading it whole, then sharding", spec)
@@ -128,7 +127,7 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
     except TargetError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's broken file: one line naming it
-        raise TargetError(f"{path}: cannot load the target sharded over {size} ranks ({_first_line(e)})") from None
+        raise TargetError(f"{path}: cannot load the target sharded over {size} ranks ({first_line(e)})") from None
     model.eval()
     model.requires_grad_(False)
     if tokenizer is None:

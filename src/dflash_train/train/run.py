@@ -171,7 +171,7 @@ class Trainer:
         config.RESUME_MAY_CHANGE), the target's files, layer ids / mask token against
         the target's config.json."""
         from dflash_train.config import ConfigError, check_resume_config
-        from dflash_train.targets.model import check_target_files
+        from dflash_train.targets import check_target_files
 
         cfg = self.cfg
         for key, dev in (("train.device", cfg.train.device), ("target.device", cfg.target.device)):
