@@ -174,7 +174,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str | None = None, tok
     """Load the frozen target described by `cfg` (see the module docstring).
     `tokenizer`: one already loaded by `load_tokenizer(cfg)` (not loaded again).
     Unreadable files raise TargetError naming the file, never a library traceback."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from dflash_train.utils import resolve_device
 

@@ -36,6 +36,21 @@ def setup_logging(run_dir: Path, rank: int = 0, leader: bool = True) -> None:
     root.propagate = False
 
 
+
+def log_to_files(level: int, msg: str, exc_info: bool = False) -> None:
+    """Write one record to the run's log FILE handlers only (stderr already gets the
+    CLI's one line, or Python's traceback)."""
+    root = logging.getLogger("dflash_train")
+    files = [h for h in root.handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        return
+    rec = root.makeRecord(root.name, level, __file__, 0, msg, (), sys.exc_info() if exc_info else None)
+    for h in files:
+        try:
+            h.handle(rec)
+        except Exception:  # noqa: BLE001 - logging must not mask the real error
+            pass
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return repr(v)  # "nan"/"inf" stay visible without breaking JSON

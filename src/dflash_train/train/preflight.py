@@ -1,0 +1,161 @@
+"""Checks before a training run loads anything, all of which write nothing, so a refused
+start changes nothing on disk: the run dir is a writable directory no live trainer holds,
+the checkpoint to resume from (verified) and THE resume rule (config.RESUME_MAY_CHANGE),
+the devices, the data paths, the target's files and the drafter's fit to the target."""
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_train.checkpoint import (
+    CheckpointError,
+    find_resumable,
+    read_manifest,
+    resolve_checkpoint_path,
+    verify_checkpoint,
+)
+from dflash_train.config import ConfigError, RunConfig, check_resume_config, load_config
+from dflash_train.errors import UserError
+from dflash_train.rundir import RunDirBusy, check_not_busy
+from dflash_train.targets import check_target_files
+
+log = logging.getLogger("dflash_train")
+
+
+class TrainError(UserError):
+    """A run cannot start or continue for a reason the user can act on."""
+
+
+@dataclass
+class ResumePlan:
+    """The checkpoint this start resumes from (None: a fresh start) and the config recorded with it
+    (None: none recorded, or a fresh start)."""
+
+    path: Path | None = None
+    config: dict | None = None
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """The run dir (and what the trainer writes in it) is a writable directory; one line if not."""
+    rd = run_dir
+    for p in (rd, rd / "checkpoints", rd / "logs"):
+        if p.exists() and not p.is_dir():
+            raise TrainError(f"--run-dir {rd}: {p} is a file, not a directory")
+    base = rd
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise TrainError(f"--run-dir {rd}: {base} is not a directory")
+    for p in (base, rd / "checkpoints", rd / "logs"):
+        if p.is_dir() and not _writable(p):
+            raise TrainError(f"--run-dir {rd}: {p} is not writable (read-only file system or permissions)")
+
+
+def refuse_busy(run_dir: Path) -> None:
+    """Read-only: refuse a run dir a live trainer holds before looking at anything else."""
+    try:
+        check_not_busy(run_dir)
+    except RunDirBusy as e:
+        raise TrainError(str(e)) from None
+
+
+def preflight(cfg: RunConfig, run_dir: Path, resume_arg: str, check_target: bool) -> ResumePlan:
+    """Everything that can be checked before loading data or the target: devices, the checkpoint
+    to resume from and the resume rule, data paths, and (`check_target`: no target was given)
+    the target's files, layer ids / mask token against the target's config.json."""
+    for key, dev in (("train.device", cfg.train.device), ("target.device", cfg.target.device)):
+        if dev == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"{key}=cuda but no CUDA GPU is available here (torch.cuda.is_available() is "
+                              f"False); use {key}=auto or cpu")
+    plan = ResumePlan(choose_checkpoint(run_dir, resume_arg))
+    if plan.path is not None:
+        old = recorded_config(run_dir, plan.path)
+        if old is None:
+            log.warning("checkpoint %s records no config (written by an older version): config changes on "
+                        "resume cannot be checked", plan.path)
+        else:
+            plan.config = old
+            for line in check_resume_config(old, cfg, f"checkpoint {plan.path}"):
+                log.info("%s", line)
+    d = cfg.data
+    data_paths = [("data.source", d.source, d.source[len(k):]) for k in ("jsonl:", "prepared:", "precomputed:")
+                  if d.source.startswith(k)]
+    if d.regenerated:
+        data_paths.append(("data.regenerated", d.regenerated, d.regenerated))
+    for key, spec, path in data_paths:
+        if not Path(path).expanduser().exists():
+            raise ConfigError(f"{key}={spec}: {Path(path).expanduser()} not found")
+    if check_target:
+        shape = check_target_files(cfg.target)
+        if shape:
+            check_target_fit(cfg, shape.get("num_layers"), shape.get("vocab_size"), ConfigError)
+    return plan
+
+
+def check_target_fit(cfg: RunConfig, num_layers: int | None, vocab_size: int | None, err=None) -> None:
+    """model.target_layer_ids and model.mask_token_id lie inside the target (its layers, its embedding rows)."""
+    err = err or TrainError
+    m = cfg.model
+    where = f"target {cfg.target.path}"
+    if num_layers and m.target_layer_ids is not None:
+        bad = [i for i in m.target_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise err(f"model.target_layer_ids={m.target_layer_ids}: {bad} out of range for {where} with "
+                      f"{num_layers} layers (valid ids 0..{num_layers - 1})")
+    if vocab_size and m.mask_token_id is not None and m.mask_token_id >= vocab_size:
+        raise err(f"model.mask_token_id={m.mask_token_id} out of range: {where} has {vocab_size} embedding rows "
+                  f"(valid ids 0..{vocab_size - 1})")
+
+
+def choose_checkpoint(run_dir: Path, resume_arg: str) -> Path | None:
+    """The checkpoint this start resumes from (verified), or None for a fresh start."""
+    if resume_arg == "never":
+        return None
+    if resume_arg == "auto":
+        return find_resumable(run_dir / "checkpoints", log=log.warning)
+    given = Path(resume_arg)
+    if not given.exists():
+        raise TrainError(f"--resume {given}: no such checkpoint (give auto, never, or a checkpoint directory)")
+    if not given.is_dir():
+        raise TrainError(f"--resume {given} is a file; give a checkpoint directory (RUN/checkpoints/step-N), "
+                         f"a run dir, auto or never")
+    try:
+        path = resolve_checkpoint_path(given)
+    except CheckpointError as e:
+        raise TrainError(f"--resume {given}: {e}") from None
+    problems = verify_checkpoint(path)
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise TrainError(f"--resume {path}: not a valid checkpoint: {problems[0]}{more}")
+    return path
+
+
+def recorded_config(run_dir: Path, ckpt: Path) -> dict | None:
+    """The full config recorded in the checkpoint's manifest; for checkpoints written
+    before manifests carried it, RUN/config.yaml when its hash matches the manifest's."""
+    man = read_manifest(ckpt)
+    cfg = (man.get("meta") or {}).get("config")
+    if isinstance(cfg, dict):
+        return cfg
+    own = run_dir / "config.yaml"
+    try:
+        old = load_config(own) if own.is_file() else None
+    except ConfigError:
+        old = None
+    if isinstance(old, RunConfig) and old.hash() == man.get("config_hash"):
+        return old.to_dict()
+    return None
+
+
+def _writable(d: Path) -> bool:
+    """Can this process create a file in directory `d`? (tried, so a read-only mount
+    or an immutable dir counts even for root)"""
+    try:
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".write-probe-"):
+            return True
+    except OSError:
+        return False

@@ -1,0 +1,72 @@
+"""Resuming a run, around the payload restore of train/state.py: the checkpoint must fit the
+drafter derived now, THE resume rule for the lr schedule, and what the run dir keeps of the
+timeline a resume abandons (checkpoints set aside, metrics lines after the step dropped)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from dflash_train.checkpoint.aside import set_aside_for_fresh_start, set_aside_newer
+from dflash_train.config import LR_SCHEDULE_KEYS, config_changes
+from dflash_train.model.dflash2 import architecture_mismatch
+from dflash_train.model.drafter import SERVING_ONLY_FIELDS
+from dflash_train.train.metrics import truncate_metrics
+from dflash_train.train.schedule import lr_factor
+
+log = logging.getLogger("dflash_train")
+
+
+def drafter_mismatch(manifest: dict, drafter_cfg, path: Path, target_path: str) -> str | None:
+    """Why the checkpoint at `path` does not fit `drafter_cfg` (one line), or None when it fits."""
+    saved = (manifest.get("meta") or {}).get("drafter_config")
+    if not isinstance(saved, dict):
+        return None
+    refused = architecture_mismatch(saved, drafter_cfg, path)
+    if refused:
+        return refused
+    now = drafter_cfg.to_dict()
+    diff = [k for k in now if k in saved and k not in SERVING_ONLY_FIELDS
+            and json.dumps(saved[k], sort_keys=True) != json.dumps(now[k], sort_keys=True)]
+    if not diff:
+        return None
+    k = diff[0]
+    return (f"checkpoint {path} does not fit this drafter: {k} was {json.dumps(saved[k])}, "
+            f"now {json.dumps(now[k])} (target {target_path} differs from the one "
+            f"the run was trained against?)" + (f"; also {diff[1:]}" if diff[1:] else ""))
+
+
+def apply_schedule_changes(scheduler, optimizer, resume_config: dict | None, cfg) -> None:
+    """THE resume rule for the lr schedule: lr(step) = train.lr * lr_factor(step; max_steps,
+    warmup_fraction, min_lr_ratio) with the CURRENT values. The restored scheduler keeps
+    its step count; when a schedule key changed, its base lr becomes the new train.lr and
+    the lr of the next step is recomputed (unchanged config: restored as saved, bit-exact)."""
+    if resume_config is None:
+        return
+    if not any(k in LR_SCHEDULE_KEYS for k, _, _ in config_changes(resume_config, cfg)):
+        return
+    t = cfg.train
+    s = scheduler.last_epoch
+    # lr_mult: Muon's groups run at train.lr * muon_lr_mult (train/optim.py)
+    scheduler.base_lrs = [t.lr * g.get("lr_mult", 1.0) for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["initial_lr"] = t.lr * g.get("lr_mult", 1.0)
+        g["lr"] = g["initial_lr"] * lr_factor(s, t.max_steps, t.warmup_fraction, t.min_lr_ratio)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    log.info("resume: lr schedule recomputed at step %d: lr %.3g (train.lr %.3g, max_steps %d)", s,
+             optimizer.param_groups[0]["lr"], t.lr, t.max_steps)
+
+
+def keep_fresh_start_aside(run_dir: Path, resume_arg: str) -> None:
+    """Fresh start: keep, never delete, what an earlier start left (checkpoint/aside.py)."""
+    set_aside_for_fresh_start(run_dir, resume_arg, log.warning)
+
+
+def settle_timeline(run_dir: Path, resumed_from: Path, step: int) -> None:
+    """The choice of checkpoint is on disk before training: newer ones (an abandoned timeline,
+    or ones that do not verify) are moved aside now, not at the first save; metrics.jsonl
+    loses the lines logged after `step` (they are produced again)."""
+    set_aside_newer(run_dir / "checkpoints", resumed_from, step, log.warning, run_dir / "metrics.jsonl")
+    dropped = truncate_metrics(run_dir / "metrics.jsonl", step)
+    if dropped:
+        log.info("metrics.jsonl: dropped %d lines logged after step %d (they are produced again)", dropped, step)
