@@ -100,3 +100,12 @@ def tiny_target_dir(tiny_target_factory) -> Path:
 def tiny_jsonl(tmp_path) -> Path:
     """A JSONL file of 24 deterministic ShareGPT-shape conversations."""
     return write_tiny_jsonl(tmp_path / "tiny.jsonl")
+
+
+@pytest.fixture(scope="module")
+def train_setup(tiny_target_factory, tmp_path_factory, request):
+    """(tiny qwen3 target dir, 40-conversation JSONL, a scratch dir for the test module): what the
+    modules that run `dflash-train train` share."""
+    root = tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
+    jsonl = write_tiny_jsonl(root / "conv.jsonl", n=40)
+    return tiny_target_factory("qwen3"), jsonl, root

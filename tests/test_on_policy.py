@@ -3,9 +3,6 @@ decoding with the current drafter visits; checked against the decoding walk, aga
 speculative decoding, and as a user runs it (phase switch, metrics, bit-exact resume)."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -17,7 +14,7 @@ from dflash_train.model.loss import sample_anchors
 from dflash_train.model.on_policy import on_policy_anchors, on_policy_metrics, valid_anchor_mask, visited_anchors
 from dflash_train.targets import load_target
 from specdec_fakes import bias_target_towards, slot_prediction
-from trainrun import REPO, env, losses, metrics, run_train, tiny_overrides
+from trainrun import losses, metrics, run_train, tiny_overrides
 
 
 def decoding_visits(row: list[int], start: int, end: int, drafts) -> list[int]:
@@ -164,10 +161,7 @@ def test_training_switches_to_on_policy_anchors_and_reports_it(setup, tmp_path):
 def test_resume_inside_the_on_policy_phase_is_bit_exact(setup, tmp_path):
     target, jsonl, reference = setup
     rd = tmp_path / "resumed"
-    res = subprocess.run(
-        [sys.executable, "-m", "dflash_train.cli", "train", "--run-dir", str(rd), "--resume",
-         str(reference / "checkpoints" / "step-00000004"), *tiny_overrides(target, jsonl, **RECIPE)],
-        capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
+    res = run_train(rd, tiny_overrides(target, jsonl, **RECIPE), resume=reference / "checkpoints" / "step-00000004")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got, want = losses(rd), losses(reference)
     assert sorted(got) == [5, 6] and all(got[s] == want[s] for s in got), (got, want)

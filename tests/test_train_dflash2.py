@@ -15,25 +15,16 @@ DFLASH2 = {"model.architecture": "dflash2", "model.selector_rank": 8, "model.sel
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_target_factory, tmp_path_factory):
-    from conftest import write_tiny_jsonl
-
-    root = tmp_path_factory.mktemp("train2")
-    jsonl = write_tiny_jsonl(root / "conv.jsonl", n=40)
-    return tiny_target_factory("qwen3"), jsonl, root
-
-
-@pytest.fixture(scope="module")
-def reference(setup):
-    target, jsonl, root = setup
+def reference(train_setup):
+    target, jsonl, root = train_setup
     rd = root / "reference"
     res = run_train(rd, tiny_overrides(target, jsonl, **DFLASH2))
     assert res.returncode == 0, res.stdout + res.stderr
     return rd
 
 
-def test_dflash2_run_logs_selector_metrics_and_resumes_bit_exact(setup, reference):
-    target, jsonl, root = setup
+def test_dflash2_run_logs_selector_metrics_and_resumes_bit_exact(train_setup, reference):
+    target, jsonl, root = train_setup
     ref = reference
     recs = [r for r in metrics(ref) if not r.get("eval")]
     assert [r["step"] for r in recs] == list(range(1, 9))
@@ -51,8 +42,8 @@ def test_dflash2_run_logs_selector_metrics_and_resumes_bit_exact(setup, referenc
     assert losses(rd) == losses(ref)  # exact float equality, every step
 
 
-def test_dflash1_checkpoint_resumed_as_dflash2_is_refused(setup):
-    target, jsonl, root = setup
+def test_dflash1_checkpoint_resumed_as_dflash2_is_refused(train_setup):
+    target, jsonl, root = train_setup
     rd = root / "dflash1"
     res = run_train(rd, tiny_overrides(target, jsonl, **{"train.max_steps": 4}))
     assert res.returncode == 0, res.stdout + res.stderr
@@ -94,7 +85,7 @@ def test_export_of_a_dflash2_run_loads_in_the_reference(reference, tmp_path):
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
-def test_dflash2_under_torchrun(setup, tmp_path, sharding):
+def test_dflash2_under_torchrun(train_setup, tmp_path, sharding):
     """1 target rank + 2 trainer ranks with DDP / FSDP2: the selector's parameters are used after the
     wrapped forward (in the loss); every step completes (DDP's reducer fails the next step when a
     parameter's gradient never arrives; FSDP2 would meet sharded parameters), losses finite, and the
@@ -106,7 +97,7 @@ def test_dflash2_under_torchrun(setup, tmp_path, sharding):
 
     from trainrun import REPO, env
 
-    target, jsonl, root = setup
+    target, jsonl, root = train_setup
     over = tiny_overrides(target, jsonl, **DFLASH2, **{"train.max_steps": 10, "pipeline.target_ranks": 1,
                                                        "train.sharding": sharding, "train.lr": 1e-2,
                                                        "checkpoint.every_steps": 100})

@@ -16,17 +16,8 @@ RECIPE = {"train.loss": "lk_lambda", "train.loss_ce_weight": 0.2, "train.optimiz
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_target_factory, tmp_path_factory):
-    from conftest import write_tiny_jsonl
-
-    root = tmp_path_factory.mktemp("objectives")
-    jsonl = write_tiny_jsonl(root / "conv.jsonl", n=40)
-    return tiny_target_factory("qwen3"), jsonl, root
-
-
-@pytest.fixture(scope="module")
-def reference(setup):
-    target, jsonl, root = setup
+def reference(train_setup):
+    target, jsonl, root = train_setup
     rd = root / "reference"
     res = run_train(rd, tiny_overrides(target, jsonl, **RECIPE))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -52,13 +43,10 @@ def test_muon_and_lk_train_and_checkpoint_carries_them(reference):
     assert any("momentum_buffer" in s for s in opt["muon"]["state"].values())
 
 
-def test_resume_from_a_middle_checkpoint_is_bit_exact(setup, reference, tmp_path):
-    target, jsonl, _ = setup
+def test_resume_from_a_middle_checkpoint_is_bit_exact(train_setup, reference, tmp_path):
+    target, jsonl, _ = train_setup
     rd = tmp_path / "resumed"
-    res = subprocess.run(
-        [sys.executable, "-m", "dflash_train.cli", "train", "--run-dir", str(rd), "--resume",
-         str(reference / "checkpoints" / "step-00000003"), *tiny_overrides(target, jsonl, **RECIPE)],
-        capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
+    res = run_train(rd, tiny_overrides(target, jsonl, **RECIPE), resume=reference / "checkpoints" / "step-00000003")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got, want = losses(rd), losses(reference)
     assert sorted(got) == [4, 5, 6]
@@ -66,8 +54,8 @@ def test_resume_from_a_middle_checkpoint_is_bit_exact(setup, reference, tmp_path
 
 
 @pytest.mark.parametrize("key,value", [("train.loss", "dpace"), ("train.optimizer", "adamw")])
-def test_resume_with_another_objective_or_optimizer_is_refused(setup, reference, key, value):
-    target, jsonl, _ = setup
+def test_resume_with_another_objective_or_optimizer_is_refused(train_setup, reference, key, value):
+    target, jsonl, _ = train_setup
     before = (reference / "metrics.jsonl").read_text()
     res = run_train(reference, tiny_overrides(target, jsonl, **dict(RECIPE, **{key: value})))
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
@@ -107,10 +95,10 @@ def test_config_rejects_meaningless_combinations():
     assert (cfg.train.loss, cfg.train.loss_ce_weight, cfg.train.muon_lr_mult) == ("distill", 0.3, 10.0)
 
 
-def test_distill_from_precomputed_features_with_the_final_state(setup, tmp_path):
+def test_distill_from_precomputed_features_with_the_final_state(train_setup, tmp_path):
     """precompute with a teacher objective stores the final hidden state as one more layer;
     training from it with that objective works, with an objective that does not read it is refused."""
-    target, jsonl, _ = setup
+    target, jsonl, _ = train_setup
     over = tiny_overrides(target, jsonl, **{"train.loss": "distill", "train.max_steps": 2})
     pre = tmp_path / "pre"
     res = subprocess.run([sys.executable, "-m", "dflash_train.cli", "precompute", "--out", str(pre),

@@ -16,17 +16,8 @@ from trainrun import losses, metrics, run_train, signal_and_wait, start_train, t
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_target_factory, tmp_path_factory):
-    from conftest import write_tiny_jsonl
-
-    root = tmp_path_factory.mktemp("train")
-    jsonl = write_tiny_jsonl(root / "conv.jsonl", n=40)
-    return tiny_target_factory("qwen3"), jsonl, root
-
-
-@pytest.fixture(scope="module")
-def reference(setup):
-    target, jsonl, root = setup
+def reference(train_setup):
+    target, jsonl, root = train_setup
     rd = root / "reference"
     res = run_train(rd, tiny_overrides(target, jsonl))
     assert res.returncode == 0, res.stdout + res.stderr
@@ -56,8 +47,8 @@ def test_run_dir_layout_and_metrics(reference):
 
 
 @pytest.mark.parametrize("stop_after", [1, 3, 6])
-def test_sigterm_then_resume_is_bit_exact(setup, reference, stop_after):
-    target, jsonl, root = setup
+def test_sigterm_then_resume_is_bit_exact(train_setup, reference, stop_after):
+    target, jsonl, root = train_setup
     rd = root / f"stop{stop_after}"
     proc = start_train(rd, tiny_overrides(target, jsonl), root / f"stop{stop_after}.log",
                        step_delay=0.3)  # the signal lands mid-run
@@ -74,10 +65,10 @@ def test_sigterm_then_resume_is_bit_exact(setup, reference, stop_after):
     assert losses(rd) == losses(reference)  # exact float equality, every step
 
 
-def test_resume_falls_back_when_newest_checkpoint_is_corrupt(setup, reference, tmp_path):
+def test_resume_falls_back_when_newest_checkpoint_is_corrupt(train_setup, reference, tmp_path):
     import shutil
 
-    target, jsonl, root = setup
+    target, jsonl, root = train_setup
     rd = tmp_path / "corrupt"
     res = run_train(rd, tiny_overrides(target, jsonl, **{"train.max_steps": 8}))
     assert res.returncode == 0
@@ -93,8 +84,8 @@ def test_resume_falls_back_when_newest_checkpoint_is_corrupt(setup, reference, t
     assert losses(rd) == losses(reference)
 
 
-def test_second_signal_abandons_save_and_exits_130(setup, tmp_path):
-    target, jsonl, _ = setup
+def test_second_signal_abandons_save_and_exits_130(train_setup, tmp_path):
+    target, jsonl, _ = train_setup
     rd = tmp_path / "abort"
     log = tmp_path / "abort.log"
     over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000, "checkpoint.every_steps": 1000})
@@ -109,8 +100,8 @@ def test_second_signal_abandons_save_and_exits_130(setup, tmp_path):
     assert not (rd / "checkpoints" / "latest").exists()
 
 
-def test_third_signal_exits_at_once(setup, tmp_path):
-    target, jsonl, _ = setup
+def test_third_signal_exits_at_once(train_setup, tmp_path):
+    target, jsonl, _ = train_setup
     rd = tmp_path / "third"
     over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000, "checkpoint.every_steps": 1000})
     proc = start_train(rd, over, tmp_path / "third.log", commit_delay=60)
@@ -121,8 +112,8 @@ def test_third_signal_exits_at_once(setup, tmp_path):
     assert proc.wait(30) == 130
 
 
-def test_signal_before_first_step(setup, tmp_path):
-    target, jsonl, _ = setup
+def test_signal_before_first_step(train_setup, tmp_path):
+    target, jsonl, _ = train_setup
     rd = tmp_path / "early"
     proc = start_train(rd, tiny_overrides(target, jsonl), tmp_path / "early.log", step_delay=0.3)
     wait_for(lambda: (rd / "run.json").exists(), 60, what="run.json")
@@ -135,8 +126,8 @@ def test_signal_before_first_step(setup, tmp_path):
     assert sorted(losses(rd)) == list(range(1, 9))
 
 
-def test_second_trainer_on_live_run_dir_is_refused(setup, tmp_path):
-    target, jsonl, _ = setup
+def test_second_trainer_on_live_run_dir_is_refused(train_setup, tmp_path):
+    target, jsonl, _ = train_setup
     rd = tmp_path / "busy"
     over = tiny_overrides(target, jsonl, **{"train.max_steps": 1000})
     proc = start_train(rd, over, tmp_path / "busy.log")
@@ -149,10 +140,10 @@ def test_second_trainer_on_live_run_dir_is_refused(setup, tmp_path):
         signal_and_wait(proc, signal.SIGTERM)
 
 
-def test_sigkill_during_checkpoint_write_then_resume(setup, reference, tmp_path):
+def test_sigkill_during_checkpoint_write_then_resume(train_setup, reference, tmp_path):
     """A crash while a checkpoint is being written: `latest` still names a
     complete checkpoint, and a resume reproduces the reference losses."""
-    target, jsonl, _ = setup
+    target, jsonl, _ = train_setup
     rd = tmp_path / "killed"
     over = tiny_overrides(target, jsonl, **{"checkpoint.every_steps": 2})
     proc = start_train(rd, over, tmp_path / "killed.log", commit_delay=20)

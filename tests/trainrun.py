@@ -39,8 +39,9 @@ def tiny_overrides(target_dir: Path, jsonl: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def train_cmd(run_dir: Path, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "dflash_train.cli", "train", "--run-dir", str(run_dir), *overrides]
+def train_cmd(run_dir: Path, overrides: list[str], resume: str | Path | None = None) -> list[str]:
+    extra = ["--resume", str(resume)] if resume is not None else []
+    return [sys.executable, "-m", "dflash_train.cli", "train", "--run-dir", str(run_dir), *extra, *overrides]
 
 
 def env(step_delay: float | None = None, commit_delay: float | None = None) -> dict:
@@ -56,8 +57,9 @@ def env(step_delay: float | None = None, commit_delay: float | None = None) -> d
     return e
 
 
-def run_train(run_dir: Path, overrides: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(train_cmd(run_dir, overrides), capture_output=True, text=True, timeout=timeout,
+def run_train(run_dir: Path, overrides: list[str], timeout: float = 300,
+              resume: str | Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(train_cmd(run_dir, overrides, resume), capture_output=True, text=True, timeout=timeout,
                           env=env(), cwd=REPO)
 
 

@@ -83,32 +83,27 @@ def visited_anchors(input_ids: torch.Tensor, ok: torch.Tensor, drafts: torch.Ten
     token, which the target's prefill gives); at anchor s the draft's prefix matching
     input_ids[s+1:] is accepted and decoding moves to s + accepted + 1."""
     B, T = ok.shape
-    bs1 = drafts.shape[-1]
-    k = torch.arange(1, bs1 + 1, device=ok.device)
-    pos = (torch.arange(T, device=ok.device)[:, None] + k).clamp(max=T - 1)  # [T, bs-1]
-    truth = input_ids[:, pos]  # [B, T, bs-1]
-    # a drafted token counts only while it stays inside the span (a supervised, same-document run)
-    inside = torch.zeros(B, T + 1, dtype=torch.long, device=ok.device)
-    inside[:, :T] = ok.long()
-    run = torch.zeros(B, T, dtype=torch.long, device=ok.device)  # valid anchors from here on, in a row
-    for t in range(T - 1, -1, -1):  # T <= a few thousand; cheap next to the forward
-        run[:, t] = (run[:, t + 1] + 1) * inside[:, t] if t + 1 < T else inside[:, t]
-    match = (drafts == truth).long().cumprod(-1).sum(-1)  # accepted prefix length at each anchor
-    # the span's last token ends decoding: at most run - 1 drafted tokens fit after anchor s
-    accepted = torch.minimum(match, run - 1)
-    starts = ok.clone()
-    starts[:, 1:] &= ~ok[:, :-1]
-    visited = torch.zeros_like(ok)
-    acc, st, okl = accepted.tolist(), starts.tolist(), ok.tolist()
+    k = torch.arange(1, drafts.shape[-1] + 1, device=ok.device)
+    truth = input_ids[:, (torch.arange(T, device=ok.device)[:, None] + k).clamp(max=T - 1)]  # [B, T, bs-1]
+    match = (drafts == truth).long().cumprod(-1).sum(-1).tolist()  # the draft's matching prefix per anchor
+    okl = ok.tolist()
+    rows: list[int] = []
+    cols: list[int] = []
     for b in range(B):
         s = 0
         while s < T:
-            if st[b][s]:
-                while s < T and okl[b][s]:
-                    visited[b, s] = True
-                    s += acc[b][s] + 1
-            else:
+            if not okl[b][s]:
                 s += 1
+                continue
+            end = s  # the span's valid anchors are s..end-1; its last token, at `end`, ends decoding
+            while end < T and okl[b][end]:
+                end += 1
+            while s < end:
+                rows.append(b)
+                cols.append(s)
+                s += min(match[b][s], end - s - 1) + 1
+    visited = torch.zeros_like(ok)
+    visited[rows, cols] = True
     return visited
 
 
