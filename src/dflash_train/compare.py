@@ -207,12 +207,12 @@ def ngram_tau(outputs, k: int) -> float:
     return _mean(acc)
 
 
-def drafter_tau(drafter, target, outputs) -> float:
+def drafter_tau(drafter, target, outputs, seeded: bool | None = None) -> float:
     from dflash_train.eval.replay import replay_acceptance
 
     acc: list[int] = []
     for seq, n in outputs:
-        acc += replay_acceptance(drafter, target, seq, n)
+        acc += replay_acceptance(drafter, target, seq, n, seeded)
     return _mean(acc)
 
 
@@ -226,6 +226,8 @@ def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: in
     drafter.eval()
     k = int(src.config.block_size) - 1
     row: dict[str, Any] = {"tau_heldout": drafter_tau(drafter, target, held), "tau_ngram_heldout": ngram_tau(held, k)}
+    if getattr(src.config, "block_seeds", "none") != "none":  # what engines that do not seed the blocks get from it
+        row["tau_heldout_unseeded"] = drafter_tau(drafter, target, held, seeded=False)
     if seen:
         row.update(tau_train_answers=drafter_tau(drafter, target, seen), tau_ngram_train_answers=ngram_tau(seen, k))
     if decode:
@@ -246,8 +248,8 @@ def print_table(results: dict[str, dict], decode: bool) -> None:
     from rich.table import Table
 
     t = Table(title="recipe A/B: tau = tokens per target forward (greedy); prompt lookup = no training")
-    cols = ["variant", "steps", "train s", "tok/s", "tau held-out", "prompt lookup", "tau train answers",
-            "prompt lookup (train)"]
+    cols = ["variant", "steps", "train s", "tok/s", "tau held-out", "(masks only)", "prompt lookup",
+            "tau train answers", "prompt lookup (train)"]
     if decode:
         cols += ["tok/s plain", "tok/s DFlash", "tok/s lookup", "lossless"]
     for c in cols:
@@ -258,7 +260,8 @@ def print_table(results: dict[str, dict], decode: bool) -> None:
 
     for name, r in results.items():
         cells = [name, str(r.get("steps") or 0), f(r.get("train_s"), ".0f"), f(r.get("tok_s"), ".0f"),
-                 f(r.get("tau_heldout")), f(r.get("tau_ngram_heldout")), f(r.get("tau_train_answers")),
+                 f(r.get("tau_heldout")), f(r.get("tau_heldout_unseeded")), f(r.get("tau_ngram_heldout")),
+                 f(r.get("tau_train_answers")),
                  f(r.get("tau_ngram_train_answers"))]
         if decode:
             d = r.get("decode") or {}

@@ -55,6 +55,10 @@ class ModelConfig(_Section):
     conv_group_size: int | None = Field(None, ge=1)
     selector_rank: int | None = Field(None, ge=1)
     selector_top_k: int | None = Field(None, ge=1, le=1024)
+    # what the drafter's masked block slots hold before it drafts: none (masks, as the method and
+    # as SGLang / vLLM serve it) or prompt_lookup (the n-gram proposal where one exists,
+    # model/lookup.py: the drafter learns to keep, correct or complete it; decoded by our eval)
+    block_seeds: Literal["none", "prompt_lookup"] = "none"
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -143,6 +147,9 @@ class TrainConfig(_Section):
     # from step on_policy_start * max_steps on (0: from the start; a finished run can be resumed
     # with train.anchors=on_policy and a larger max_steps as a second, on-policy phase)
     anchors: Literal["uniform", "on_policy"] = "uniform"
+    # model.block_seeds=prompt_lookup: the fraction of blocks trained with masks only (drawn per
+    # block each step), so the drafter still drafts where no seed is given (SGLang / vLLM)
+    unseeded_fraction: float = Field(0.0, ge=0, le=1)
     on_policy_start: float = Field(0.5, ge=0, le=1)
     # adamw, or muon: Muon (torch.optim.Muon) on 2-D matrices at lr * muon_lr_mult, AdamW on the rest
     optimizer: Literal["adamw", "muon"] = "adamw"

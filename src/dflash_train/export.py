@@ -63,6 +63,9 @@ def hf_config_dict(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         dflash["output_multiplier"] = float(cfg.output_multiplier)
     if cfg.final_logit_softcapping is not None:
         dflash["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+    if getattr(cfg, "block_seeds", "none") != "none":
+        # engines that do not know the key ignore it and draft from masks only
+        dflash["block_seeds"] = cfg.block_seeds
     rope = dict(cfg.rope_parameters)
     rope_theta = float(rope["rope_theta"])
     out: dict[str, Any] = {
@@ -162,6 +165,7 @@ def drafter_config_from_hf(d: dict[str, Any], where: str = CONFIG_FILE):
             output_multiplier=float(pick("output_multiplier", 1.0)),
             final_logit_softcapping=None if softcap is None else float(softcap),
             init_std=float(d.get("initializer_range", 0.02)),
+            block_seeds=str(pick("block_seeds", "none")),
         )
     except KeyError as e:
         raise _err(f"{where}: missing key {e.args[0]!r}; not a DFlash drafter config") from None

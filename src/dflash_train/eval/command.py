@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dflash_train.eval.ngram import ngram_generate
+from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.prompts import encode_prompts, pick_eval_prompts, read_prompts_file
 from dflash_train.eval.specdec import acceptance_histogram, plain_generate, speculative_generate, tau_of
 
@@ -76,6 +77,10 @@ def evaluate_tau(
     max_new_tokens. Pass `prompt_ids` (+ `stop_token_ids`) to skip formatting.
     measure_plain=False skips the plain baseline (in-training eval).
 
+    A drafter with ``block_seeds: prompt_lookup`` also gets tau_unseeded: its greedy tau with
+    masks only (no seeds: how SGLang / vLLM, which do not seed, would run it), by replay on
+    the same outputs; None otherwise.
+
     The prompt-lookup baseline (k = block_size - 1 draft tokens) adds tau_ngram,
     histogram_ngram, tokens_per_s_ngram, speedup_ngram (vs plain), outputs_match_ngram,
     mismatched_prompts_ngram, steps_ngram, new_tokens_ngram, ngram_k. It is greedy
@@ -103,6 +108,9 @@ def evaluate_tau(
     ngram_acc: list[int] = []
     match_ngram: bool | None = True if (do_ngram and measure_plain) else None
     mismatches_ngram: list[int] = []
+    # a prompt-lookup-seeded drafter: also its tau from masks only, what SGLang / vLLM give it
+    seeded = getattr(cfg, "block_seeds", "none") != "none"
+    unseeded_acc: list[int] | None = [] if (seeded and temperature <= 0) else None
     for i, ids in enumerate(prompt_ids):
         x = torch.tensor([list(ids)], dtype=torch.long, device=device)
         gen = None
@@ -116,6 +124,8 @@ def evaluate_tau(
         n_spec += out.shape[1] - x.shape[1]
         all_acc.extend(acc)
         per_prompt.append(tau_of(acc))
+        if unseeded_acc is not None:  # greedy: replay walks the same output (tests/test_eval_seeded.py)
+            unseeded_acc.extend(replay_acceptance(drafter, target, out[0].tolist(), x.shape[1], seeded=False))
         if do_ngram:
             _sync(device)
             t0 = time.perf_counter()
@@ -169,6 +179,8 @@ def evaluate_tau(
         "steps_ngram": len(ngram_acc) if do_ngram else None,
         "new_tokens_ngram": n_ngram if do_ngram else None,
         "ngram_k": ngram_k if do_ngram else None,
+        "block_seeds": getattr(cfg, "block_seeds", "none"),
+        "tau_unseeded": tau_of(unseeded_acc) if unseeded_acc is not None else None,
     }
 
 
@@ -245,6 +257,9 @@ def _print_table(res: dict[str, Any], title: str, drafter_label: str = "DFlash d
         t.add_row(f"prompt lookup (k={res['ngram_k']})", _num(res["tau_ngram"], ".3f"),
                   _num(res["tokens_per_s_ngram"], ".2f"), _num(res["speedup_ngram"], ".2f"),
                   _match_text(res["outputs_match_ngram"], res["mismatched_prompts_ngram"]))
+    if res.get("tau_unseeded") is not None:
+        t.add_row("  same drafter, masks only (no lookup seeds: as SGLang / vLLM run it)",
+                  _num(res["tau_unseeded"], ".3f"), "-", "-", "-")
     if res["tokens_per_s_plain"] is not None:
         t.add_row("plain decoding", "1.000", _num(res["tokens_per_s_plain"], ".2f"), "1.00", "-")
     con.print(t)

@@ -32,39 +32,26 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from dflash_train.model.lookup import lookup_proposals
 from dflash_train.eval.specdec import _cache_kw, _crop_to, _make_target_cache
 
 __all__ = ["propose", "ngram_generate"]
 
 
-def _as_array(tokens) -> np.ndarray:
-    if isinstance(tokens, torch.Tensor):
-        return tokens.detach().reshape(-1).cpu().numpy()
-    return np.asarray(tokens, dtype=np.int64).reshape(-1)
-
-
 def propose(tokens, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Up to `k` draft tokens by prompt lookup on `tokens` (prompt + generated; list,
     1-D array or tensor); [] when the trailing n-gram occurs nowhere earlier for
-    any n in max_ngram..min_ngram. See the module docstring for the rule."""
+    any n in max_ngram..min_ngram. See the module docstring for the rule; the one
+    implementation is `model.lookup.lookup_proposals` (anchor = the last token)."""
     if min_ngram < 1 or max_ngram < min_ngram:
         raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-    if k < 1:
+    s = torch.as_tensor(np.asarray(tokens.detach().cpu() if isinstance(tokens, torch.Tensor) else tokens,
+                                   dtype=np.int64).reshape(1, -1))
+    if k < 1 or s.shape[1] < 2:
         return []
-    s = _as_array(tokens)
-    length = int(s.shape[0])
-    for n in range(int(max_ngram), int(min_ngram) - 1, -1):
-        m = length - n  # candidate starts 0..m-1 (start m is the trailing n-gram itself)
-        if m < 1:
-            continue
-        ok = s[:m] == s[m]
-        for j in range(1, n):
-            ok &= s[j:j + m] == s[m + j]
-        hits = np.flatnonzero(ok)
-        if hits.size:
-            i = int(hits[-1])
-            return s[i + n:i + n + int(k)].tolist()
-    return []
+    anchor = torch.tensor([[s.shape[1] - 1]])
+    drafts = lookup_proposals(s, torch.zeros_like(s), anchor, int(k), int(max_ngram), int(min_ngram))[0, 0]
+    return drafts[drafts >= 0].tolist()
 
 
 @torch.inference_mode()

@@ -49,8 +49,9 @@ def walk_acceptance(output: Sequence[int], n_prompt: int, propose: Callable[[int
 
 
 @torch.no_grad()
-def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int) -> torch.Tensor:
-    """[T - 1 - n_prompt, bs - 1] greedy drafts at anchors n_prompt..T-2 from one training forward."""
+def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int, seeded: bool | None = None) -> torch.Tensor:
+    """[T - 1 - n_prompt, bs - 1] greedy drafts at anchors n_prompt..T-2 from one training forward
+    (seeded: see `draft_everywhere`)."""
     device = target.device
     seq = torch.tensor([list(output)], dtype=torch.long, device=device)
     T = seq.shape[1]
@@ -58,12 +59,13 @@ def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int) -> torc
     feats = target.capture(seq, doc, drafter.cfg.target_layer_ids)
     ok = torch.zeros(1, T, dtype=torch.bool, device=device)
     ok[0, int(n_prompt):T - 1] = True
-    return draft_everywhere(drafter, target, seq, doc, feats, ok)[0, int(n_prompt):T - 1]
+    return draft_everywhere(drafter, target, seq, doc, feats, ok, seeded=seeded)[0, int(n_prompt):T - 1]
 
 
-def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int) -> list[int]:
-    """Acceptance lengths the drafter gets on the target's known greedy `output` (prompt + new tokens)."""
+def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int, seeded: bool | None = None) -> list[int]:
+    """Acceptance lengths the drafter gets on the target's known greedy `output` (prompt + new tokens);
+    seeded=False: a ``block_seeds: prompt_lookup`` drafter drafting from masks only."""
     if len(output) - 1 <= n_prompt:
         return []
-    drafts = replay_drafts(drafter, target, output, n_prompt).tolist()
+    drafts = replay_drafts(drafter, target, output, n_prompt, seeded).tolist()
     return walk_acceptance(output, n_prompt, lambda s: drafts[s - n_prompt])

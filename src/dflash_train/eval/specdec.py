@@ -8,7 +8,9 @@ Same semantics as the reference `dflash.model.dflash_generate` (PyPI dflash
   of the prompt (target layers `target_layer_ids`, HF ``hidden_states[i + 1]``)
   go into the drafter's context cache.
 * each step, at ``start`` (the position of the last produced token): the block
-  is ``[token at start, MASK x (bs - 1)]`` at positions ``start..start+bs-1``;
+  is ``[token at start, MASK x (bs - 1)]`` at positions ``start..start+bs-1``
+  (a ``block_seeds: prompt_lookup`` drafter gets the prompt-lookup proposal of
+  prompt + output so far written over the masks it covers, as in training);
   the drafter sees context strictly before ``start`` plus the block and fills
   the bs - 1 masked slots in one forward; ONE target forward over the block
   verifies them. Greedy: accepted = matching prefix; the target's own next
@@ -43,6 +45,8 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import torch
+
+from dflash_train.model.lookup import seed_blocks
 
 __all__ = [
     "speculative_generate",
@@ -296,12 +300,18 @@ def speculative_generate(
     del logits, hs
     _crop_to(tcache, n)
 
+    seeded = getattr(cfg, "block_seeds", "none") == "prompt_lookup"
+    no_docs = torch.zeros_like(output_ids)
+    anchor = torch.zeros(1, 1, dtype=torch.long, device=device)
     acceptance_lengths: list[int] = []
     start = n
     stopped = bool(stops) and int(first.item()) in stops
     while start + 1 < max_length and not stopped:
         vs = min(bs, max_length - start)  # >= 2 here
         block = output_ids[:, start:start + vs].clone()
+        if seeded:  # the prompt-lookup proposal in the masked slots (model/lookup.py), as in training
+            block = seed_blocks(block[:, None], output_ids[:, :start + 1], no_docs[:, :start + 1],
+                                anchor.fill_(start))[:, 0]
         embeds = target.embed(block)
         hidden = drafter.draft_block(dcache, embeds, start)[:, 1:vs]
         draft_logits = target_logits(hidden.to(embeds.dtype))

@@ -21,6 +21,7 @@ from torch import nn
 
 from dflash_train.model import masks as M
 from dflash_train.model import rope as R
+from dflash_train.model.lookup import BLOCK_SEEDS
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -75,9 +76,14 @@ class DrafterConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    # what fills the block's masked slots before the drafter denoises them: "none" (masks only,
+    # the method) or "prompt_lookup" (the n-gram proposal where there is one, model/lookup.py)
+    block_seeds: str = "none"
 
     def __post_init__(self) -> None:
         self._check_architecture()
+        if self.block_seeds not in BLOCK_SEEDS:
+            raise ValueError(f"block_seeds {self.block_seeds!r} is not one of {', '.join(BLOCK_SEEDS)}")
         if self.rope_parameters is None:
             self.rope_parameters = R.default_rope(self.rope_theta)
         # sorted keys: the same dict whether built here or read back from a manifest (compared as JSON)
@@ -168,6 +174,7 @@ class DrafterConfig:
             output_multiplier=float(df.get("output_multiplier", 1.0)),
             final_logit_softcapping=df.get("final_logit_softcapping"),
             init_std=init_std,
+            block_seeds=str(df.get("block_seeds", "none")),
         )
 
     @classmethod
@@ -223,6 +230,7 @@ class DrafterConfig:
             output_multiplier=float(target.output_multiplier),
             final_logit_softcapping=None if softcap is None else float(softcap),
             init_std=model_cfg.init_std,
+            block_seeds=getattr(model_cfg, "block_seeds", "none"),
         )
 
 

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from dflash_train.model.lookup import seed_blocks
 from dflash_train.model.objectives import Objective, chunk_terms, dpace_weights
 
 # gamma of the method for the published block sizes
@@ -223,6 +224,7 @@ def dflash_loss(
     max_chunk_logits: int = 1 << 25,
     selector_loss_weight: float = 1.0,
     objective: Objective | None = None,
+    unseeded_fraction: float = 0.0,
 ) -> LossOutput:
     """The DFlash training loss of one batch ([B, T] rows, features [B, T, K*H]).
 
@@ -234,6 +236,8 @@ def dflash_loss(
     objective: the training objective (model/objectives.py; default ce_decay). The teacher
     objectives read the target's final hidden state as the LAST H channels of `features`
     (capture with the final layer, see objectives.capture_layer_ids); the drafter gets the rest.
+    unseeded_fraction: with ``block_seeds: prompt_lookup``, the share of blocks left as masks
+    (drawn from `generator` after the anchors).
     No host syncs: correct/count/num_blocks stay device tensors.
     """
     core = unwrap(drafter)  # attributes from the drafter itself; the call goes through the wrapper (DDP hooks)
@@ -249,6 +253,12 @@ def dflash_loss(
     block_ids, labels, weights, supervised = make_blocks(
         input_ids, loss_mask, document_ids, anc, valid, bs, cfg.mask_token_id, gamma
     )
+    if getattr(cfg, "block_seeds", "none") == "prompt_lookup":
+        B, A = anc.shape
+        keep = None
+        if unseeded_fraction > 0:
+            keep = torch.rand(B, A, generator=generator, device=generator.device).to(dev) >= unseeded_fraction
+        block_ids = seed_blocks(block_ids.view(B, A, bs), input_ids, document_ids, anc, keep).view(B, A * bs)
     objective = objective or Objective()
     if not objective.decay_weights:
         weights = supervised.float()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_train.model.lookup import seed_blocks
 from dflash_train.model.loss import _head, sample_anchors, unwrap
 
 
@@ -35,12 +36,14 @@ def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> to
 
 @torch.no_grad()
 def draft_everywhere(drafter, target, input_ids, document_ids, features, ok, vocab_subset=None,
-                     max_chunk_logits: int = 1 << 27) -> torch.Tensor:
+                     max_chunk_logits: int = 1 << 27, seeded: bool | None = None) -> torch.Tensor:
     """[B, T, bs-1] the drafter's greedy drafts at every position where `ok` (others: -1), from
     one forward: what decoding would propose there given the same context (eval/replay.py).
 
     Full vocabulary: the target's logits, and a DFlash 2 drafter's selector path, as decoding
-    drafts. With `vocab_subset`: the argmax over the subset (the loss's vocabulary)."""
+    drafts. With `vocab_subset`: the argmax over the subset (the loss's vocabulary).
+    seeded: prompt-lookup seeds in the blocks (None: as the drafter's ``block_seeds`` says;
+    False: masks only, what an engine that does not seed gives)."""
     core = unwrap(drafter)
     bs = int(core.cfg.block_size)
     B, T = input_ids.shape
@@ -52,6 +55,10 @@ def draft_everywhere(drafter, target, input_ids, document_ids, features, ok, voc
     anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
     block = torch.full((B, A, bs), int(core.cfg.mask_token_id), dtype=torch.long, device=input_ids.device)
     block[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    if seeded is None:
+        seeded = getattr(core.cfg, "block_seeds", "none") == "prompt_lookup"
+    if seeded:
+        block = seed_blocks(block, input_ids, document_ids, anchors)
     dtype = core.fc.weight.dtype
     embeds = target.embed(block.view(B, A * bs)).to(dtype)
     hidden = core(embeds, anchors, valid, document_ids, features=features.to(dtype))

@@ -40,6 +40,7 @@ def loss_and_backward(model, target, batch, train_cfg, num_anchors: int, generat
         chunk_blocks=train_cfg.loss_chunk_blocks, vocab_subset=vocab_subset,
         selector_loss_weight=getattr(train_cfg, "selector_loss_weight", 1.0),
         objective=objective, anchors=anchors,
+        unseeded_fraction=getattr(train_cfg, "unseeded_fraction", 0.0),
     )
     out.total.backward()
     out.extra.update(sums)
