@@ -59,6 +59,7 @@ SPEC_ROWS = [
     ("draft_head", "drafter lm_head (full vocab)"),
     ("draft_ctx", "drafter context cache (extend_context)"),
     ("crop", "target KV-cache crop"),
+    ("seed", "prompt-lookup seeds (block_seeds drafters)"),
     ("embed", "block embedding"),
     ("sync", "host syncs (item/tolist/bool/int)"),
     ("rest", "rest of the loop (argmax, accept, slicing)"),
@@ -204,6 +205,7 @@ def instrument(prof: Profiler, target, drafter, specdec, full: bool = True) -> N
     prof.patch(target, "embed", prof.cat("embed"))
     prof.patch(drafter, "new_cache", prof.cat("draft_ctx"))
     prof.patch(specdec, "_crop_to", prof.cat("crop"))
+    prof.patch(specdec, "seed_blocks", prof.cat("seed"))
     for name in ("item", "tolist", "__bool__", "__int__", "__float__"):  # host syncs
         prof.patch(torch.Tensor, name, prof.cat("sync"))
 

@@ -6,6 +6,7 @@ must equal plain greedy, and replay (the training path, where seeds come from
 `loss`/`on_policy`'s vectorised lookup) must agree with decoding."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash_train.config import ModelConfig, TargetConfig
@@ -46,3 +47,30 @@ def test_seeded_copying_drafter_decodes_like_prompt_lookup(tiny_target_factory):
         _, acc_masked = speculative_generate(masked, t, x, 24, [])
         assert set(acc_masked) == {1}
     assert ngram_steps > 0  # prompt lookup did accept drafts on these prompts
+
+
+def test_eval_cli_on_a_seeded_export(tiny_target_factory, tmp_path):
+    """The user's way: export the seeded drafter, `dflash-train eval --json` on it. The export
+    records the seeding, eval decodes with it (the copying drafter = prompt lookup) and also
+    reports the masks-only tau an engine that does not seed would get."""
+    import json
+    import subprocess
+
+    from dflash_train.export import write_export
+    from trainrun import REPO, env
+
+    tdir = tiny_target_factory("gemma3")
+    t = load_target(TargetConfig(path=str(tdir), device="cpu", dtype="float32"))
+    dr = copying_drafter(t, "prompt_lookup")
+    exp = write_export(dr.cfg, dr.state_dict(), tmp_path / "export", provenance={"target_path": str(tdir)})
+    assert json.loads((exp / "config.json").read_text())["dflash_config"]["block_seeds"] == "prompt_lookup"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    r = subprocess.run([str(REPO / ".venv" / "bin" / "dflash-train"), "eval", "--drafter", str(exp), "--prompts",
+                        str(prompts), "--max-new-tokens", "24", "--json"],
+                       capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["block_seeds"] == "prompt_lookup" and res["outputs_match"] is True
+    assert res["tau"] == pytest.approx(res["tau_ngram"]) and res["tau"] > 1
+    assert res["tau_unseeded"] == pytest.approx(1.0)

@@ -11,8 +11,10 @@ import torch
 
 from trainrun import REPO, env, losses, metrics, run_train, tiny_overrides
 
+# prompt-lookup seeds with half the blocks unseeded: one more draw from the step's generator
 RECIPE = {"train.loss": "lk_lambda", "train.loss_ce_weight": 0.2, "train.optimizer": "muon",
-          "train.max_steps": 6, "checkpoint.every_steps": 3}
+          "train.max_steps": 6, "checkpoint.every_steps": 3,
+          "model.block_seeds": "prompt_lookup", "train.unseeded_fraction": 0.5}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +35,7 @@ def test_muon_and_lk_train_and_checkpoint_carries_them(reference):
     ck = reference / "checkpoints" / "step-00000006"
     meta = json.loads((ck / "manifest.json").read_text())["meta"]
     assert meta["config"]["train"]["loss"] == "lk_lambda" and meta["config"]["train"]["optimizer"] == "muon"
+    assert meta["drafter_config"]["block_seeds"] == "prompt_lookup"
     state = torch.load(ck / "state.pt", weights_only=False)
     assert state["recipe"] == {"loss": "lk_lambda", "optimizer": "muon"}
     opt = state["optimizer"]
@@ -53,7 +56,8 @@ def test_resume_from_a_middle_checkpoint_is_bit_exact(train_setup, reference, tm
     assert all(got[s] == want[s] for s in got), (got, want)  # exact float equality
 
 
-@pytest.mark.parametrize("key,value", [("train.loss", "dpace"), ("train.optimizer", "adamw")])
+@pytest.mark.parametrize("key,value", [("train.loss", "dpace"), ("train.optimizer", "adamw"),
+                                       ("model.block_seeds", "none")])
 def test_resume_with_another_objective_or_optimizer_is_refused(train_setup, reference, key, value):
     target, jsonl, _ = train_setup
     before = (reference / "metrics.jsonl").read_text()

@@ -59,6 +59,7 @@ def demo_summary(res_trained: dict, res_untrained: dict, **extra) -> dict:
         "tau_trained": res_trained["tau"],
         "tau_untrained": res_untrained["tau"],
         "tau_ngram": res_trained.get("tau_ngram"),
+        "tau_trained_unseeded": res_trained.get("tau_unseeded"),
         "tokens_per_s_trained": res_trained.get("tokens_per_s_spec"),
         "tokens_per_s_untrained": spec,
         "tokens_per_s_ngram": res_trained.get("tokens_per_s_ngram"),
@@ -77,7 +78,7 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
     """The side-by-side table (trained, untrained, prompt lookup, plain) with plain-words notes."""
     from rich.table import Table
 
-    from dflash_train.report import EXPLANATION, comparison_rows, fmt_num
+    from dflash_train.report import comparison_rows, explanation, fmt_num
 
     out = out or console
     t = Table(title="speculative decoding on the held-out prompts (greedy)", show_header=True)
@@ -88,7 +89,7 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
     for name, tau, tps, speedup in comparison_rows(summary):
         t.add_row(name, fmt_num(tau, ".3f"), fmt_num(tps, ".2f"), fmt_num(speedup, ".2f", "x"))
     out.print(t)
-    for line in EXPLANATION:
+    for line in explanation(summary):
         out.print(f"  {line}", markup=False)
 
 

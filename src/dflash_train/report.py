@@ -23,6 +23,18 @@ EXPLANATION = [
     "All methods decode greedily, so they produce the same text as plain decoding; only the speed differs.",
 ]
 
+SEEDED_NOTE = [
+    "blocks seeded by prompt lookup (model.block_seeds) = the drafter gets prompt lookup's proposal in its "
+    "input and learns, from the target's hidden states, which of it to keep, where to correct it and how to "
+    "fill slots it leaves empty; engines that do not seed (SGLang, vLLM today) run it from masks only.",
+]
+
+
+def explanation(summary: dict[str, Any]) -> list[str]:
+    """The plain-words notes under the comparison (the seeding note only for a seeded drafter)."""
+    seeded = (summary.get("eval_trained") or {}).get("tau_unseeded") is not None
+    return EXPLANATION + (SEEDED_NOTE if seeded else [])
+
 
 def comparison_rows(summary: dict[str, Any]) -> list[tuple[str, float | None, float | None, float | None]]:
     """(method, tau, tokens/s, speedup vs plain) for the trained drafter, the untrained
@@ -33,7 +45,12 @@ def comparison_rows(summary: dict[str, Any]) -> list[tuple[str, float | None, fl
     plain = summary.get("tokens_per_s_plain", tr.get("tokens_per_s_plain"))
     rows: list[tuple[str, float | None, float | None, float | None]] = []
     if tr:
-        rows.append(("trained DFlash drafter", tr.get("tau"), tr.get("tokens_per_s_spec"), tr.get("speedup")))
+        seeded = tr.get("tau_unseeded") is not None
+        name = "trained DFlash drafter" + (" (blocks seeded by prompt lookup)" if seeded else "")
+        rows.append((name, tr.get("tau"), tr.get("tokens_per_s_spec"), tr.get("speedup")))
+        if seeded:
+            rows.append(("  same drafter from masks only (as SGLang / vLLM run it; tau by replay)",
+                         tr.get("tau_unseeded"), None, None))
     if un:
         rows.append(("untrained DFlash drafter (same shape, random weights)", un.get("tau"),
                      un.get("tokens_per_s_spec"), un.get("speedup")))
@@ -140,7 +157,7 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     ]
     for name, tau, tps, speedup in comparison_rows(summary):
         lines.append(f"| {name} | {fmt_num(tau, '.3f')} | {fmt_num(tps, '.2f')} | {fmt_num(speedup, '.2f', 'x')} |")
-    lines += [""] + [f"- {line}" for line in EXPLANATION] + [
+    lines += [""] + [f"- {line}" for line in explanation(summary)] + [
         "",
         f"Prompts: {summary.get('eval_prompts', '?')} held-out ShareGPT first turns, "
         f"{summary.get('eval_max_new_tokens', '?')} new tokens each.",
@@ -251,6 +268,12 @@ def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str)
     warning = embedding_scale_warning(float(cfg.input_embedding_scale))
     if warning:
         lines += ["", "## WARNING: engine compatibility", "", f"- **{warning}**"]
+    if getattr(cfg, "block_seeds", "none") != "none":
+        lines += ["", "## Prompt-lookup seeds", "",
+                  "- trained to draft from blocks whose masked slots hold prompt lookup's proposal "
+                  "(`dflash_config.block_seeds`); `dflash-train eval` decodes that way.",
+                  "- SGLang, vLLM and the reference package do not seed DFlash blocks: there it drafts from "
+                  "masks only, at the lower masks-only acceptance (`tau_unseeded` in `dflash-train eval --json`)."]
     reference_class = "DFlashDraftModel"
     if getattr(cfg, "architecture", "dflash") == "dflash2":
         from dflash_train.model.dflash2 import SERVING_NOTE

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from dflash_train.model.lookup import lookup_proposals
-from dflash_train.eval.specdec import _cache_kw, _crop_to, _make_target_cache
+from dflash_train.eval.specdec import _crop_to, _make_target_cache, _TargetRunner
 
 __all__ = ["propose", "ngram_generate"]
 
@@ -86,11 +86,10 @@ def ngram_generate(
     seq = np.zeros(max_length + 1, dtype=np.int64)
     seq[:n] = input_ids[0].cpu().numpy()
     cache = _make_target_cache(model, block_size=k + 1)
-    ck = _cache_kw(model)
-    out = model(input_ids, position_ids=torch.arange(n, device=device)[None], use_cache=True,
-                logits_to_keep=1, **{ck: cache})
-    seq[n] = int(torch.argmax(out.logits[0, -1]).item())
-    del out
+    run = _TargetRunner(target)  # the same target forward + head as DFlash and plain decoding
+    logits, _ = run(input_ids, torch.arange(n, device=device)[None], cache, 1, False)
+    seq[n] = int(torch.argmax(logits[0, -1]).item())
+    del logits
 
     acceptance_lengths: list[int] = []
     start = n
@@ -100,9 +99,9 @@ def ngram_generate(
         vs = 1 + len(draft)
         block = torch.tensor([[int(seq[start])] + draft], dtype=torch.long, device=device)
         pos = torch.arange(start, start + vs, device=device)[None]
-        out = model(block, position_ids=pos, use_cache=True, **{ck: cache})
-        posterior = torch.argmax(out.logits[0], dim=-1).tolist()  # [vs]
-        del out
+        logits, _ = run(block, pos, cache, vs, False)
+        posterior = torch.argmax(logits[0], dim=-1).tolist()  # [vs]
+        del logits
         accepted = 0
         while accepted < len(draft) and draft[accepted] == posterior[accepted]:
             accepted += 1
