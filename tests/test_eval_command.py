@@ -217,3 +217,40 @@ def test_demo_summary_and_report_compare_all_methods(setup, tmp_path):
     assert "| 1.000 |" in rows[3] and rows[3].endswith("| 1.00x |")
     assert "tau = tokens produced per forward pass" in report and "above 1 means faster" in report
     assert (run / "plots" / "tau.png").is_file()
+    assert "blocks seeded by prompt lookup" not in report  # the seeding note only for a seeded drafter
+
+
+def test_demo_summary_of_a_seeded_drafter_shows_its_masks_only_tau(setup, tmp_path):
+    """A prompt-lookup-seeded drafter: evaluate_tau adds its masks-only tau (what engines that
+    do not seed get); the demo table and report name the seeding and show that figure."""
+    import dataclasses
+    import io
+
+    from rich.console import Console
+
+    from dflash_train.demo import demo_summary, print_comparison
+    from dflash_train.model import DFlashDrafter
+    from dflash_train.report import write_report
+
+    t, dr, *_ = setup
+    seeded = DFlashDrafter(dataclasses.replace(dr.cfg, block_seeds="prompt_lookup"), seed=3).eval()
+    prompts = ["one two one two one two", "Hello! How can I help"]
+    res_t = evaluate_tau(seeded, t, prompts, 8, 0.0, 0)
+    assert res_t["block_seeds"] == "prompt_lookup" and res_t["outputs_match"] is True
+    assert res_t["tau_unseeded"] >= 1
+    masks = evaluate_tau(dr, t, prompts, 8, 0.0, 0, measure_plain=False, measure_ngram=False)
+    assert masks["tau_unseeded"] is None and masks["block_seeds"] == "none"
+    # same weights: the masks-only tau of the seeded drafter is the unseeded drafter's tau
+    assert res_t["tau_unseeded"] == pytest.approx(masks["tau"])
+    res_u = evaluate_tau(seeded, t, prompts, 8, 0.0, 0, measure_plain=False, measure_ngram=False)
+    summary = demo_summary(res_t, res_u, eval_prompts=2, eval_max_new_tokens=8, train_seconds=1.0)
+    assert summary["tau_trained_unseeded"] == res_t["tau_unseeded"]
+    buf = io.StringIO()
+    print_comparison(summary, Console(file=buf, width=200))
+    text = buf.getvalue()
+    assert "seeded by prompt lookup" in text and "masks only" in text
+    assert f"{res_t['tau_unseeded']:.3f}" in text
+    run = tmp_path / "run"
+    run.mkdir()
+    report = write_report(run, summary).read_text()
+    assert "same drafter from masks only" in report and "blocks seeded by prompt lookup" in report
