@@ -48,3 +48,13 @@ def test_config_mistake_is_one_line_exit_2(tmp_path):
     assert out.returncode == 2
     assert "did you mean 'max_steps'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("override, key", [("model.block_seeds=ngram", "model.block_seeds"),
+                                           ("train.unseeded_fraction=1.5", "train.unseeded_fraction")])
+def test_seeding_mistakes_are_one_line_exit_2(tmp_path, override, key):
+    out = subprocess.run([sys.executable, "-m", "dflash_train.cli", "train", "--run-dir", str(tmp_path / "r"),
+                          override], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert f"{key}:" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "r").exists()

@@ -226,7 +226,7 @@ def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: in
     drafter.eval()
     k = int(src.config.block_size) - 1
     row: dict[str, Any] = {"tau_heldout": drafter_tau(drafter, target, held), "tau_ngram_heldout": ngram_tau(held, k)}
-    if getattr(src.config, "block_seeds", "none") != "none":  # what engines that do not seed the blocks get from it
+    if src.config.block_seeds != "none":  # what engines that do not seed the blocks get from it
         row["tau_heldout_unseeded"] = drafter_tau(drafter, target, held, seeded=False)
     if seen:
         row.update(tau_train_answers=drafter_tau(drafter, target, seen), tau_ngram_train_answers=ngram_tau(seen, k))

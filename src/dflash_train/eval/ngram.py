@@ -45,8 +45,7 @@ def propose(tokens, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]
     implementation is `model.lookup.lookup_proposals` (anchor = the last token)."""
     if min_ngram < 1 or max_ngram < min_ngram:
         raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-    s = torch.as_tensor(np.asarray(tokens.detach().cpu() if isinstance(tokens, torch.Tensor) else tokens,
-                                   dtype=np.int64).reshape(1, -1))
+    s = torch.as_tensor(tokens, dtype=torch.long).detach().cpu().reshape(1, -1)
     if k < 1 or s.shape[1] < 2:
         return []
     anchor = torch.tensor([[s.shape[1] - 1]])
