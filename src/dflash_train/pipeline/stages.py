@@ -290,8 +290,9 @@ class Pipeline:
                 if raw.ready is not None:
                     copy_stream.wait_event(raw.ready)
                 moved = _move(batch, dst, pin=src.type == "cpu")
-                if src.type == "cuda":  # the source tensors are read on the copy stream
-                    for t in (batch.input_ids, batch.loss_mask, batch.document_ids, batch.features):
+                # the source's CUDA tensors are read on the copy stream (ids may stay on the host)
+                for t in (batch.input_ids, batch.loss_mask, batch.document_ids, batch.features):
+                    if t.is_cuda:
                         t.record_stream(copy_stream)
                 ready = torch.cuda.Event()
                 ready.record(copy_stream)
