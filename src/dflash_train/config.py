@@ -16,7 +16,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-EMBEDDED_TARGET = "embedded:gemma3-270m"
+# targets shipped in PyPI packages (targets/gguf.py finds their files). The default is the instruct
+# model: vLLM serves DFlash drafters for Llama targets, not for Gemma 3 (no auxiliary hidden states)
+SMOLLM2_135M_INSTRUCT = "embedded:smollm2-135m-instruct"
+GEMMA3_270M = "embedded:gemma3-270m"
+EMBEDDED_TARGETS = (SMOLLM2_135M_INSTRUCT, GEMMA3_270M)
+EMBEDDED_TARGET = SMOLLM2_135M_INSTRUCT
 
 
 class ConfigError(ValueError):
@@ -79,7 +84,7 @@ class ModelConfig(_Section):
 
 
 class TargetConfig(_Section):
-    # a local HF directory, a .gguf file, or the embedded default
+    # a local HF directory, a .gguf file, or an embedded target (EMBEDDED_TARGETS)
     path: str = EMBEDDED_TARGET
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -2,7 +2,7 @@
 capture by forward hooks, embedding / lm_head / soft-cap, the mask token
 rule. The wrapper: `dflash_train.targets.model`; loading: `targets.loading`; the GGUF cache:
 `targets.gguf` (tiny random targets for tests: tests/tiny_target.py)."""
-from dflash_train.targets.gguf import embedded_gguf_path
+from dflash_train.targets.gguf import converted_dir, embedded_gguf_path
 from dflash_train.targets.loading import check_target_files, load_target, load_tokenizer, resolve_dtype
 from dflash_train.targets.model import (
     Target,
@@ -19,6 +19,7 @@ __all__ = [
     "choose_mask_token_id",
     "document_attention_mask",
     "document_positions",
+    "converted_dir",
     "embedded_gguf_path",
     "load_target",
     "load_tokenizer",

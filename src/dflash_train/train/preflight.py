@@ -111,6 +111,15 @@ def check_target_fit(cfg: RunConfig, num_layers: int | None, vocab_size: int | N
                   f"(valid ids 0..{vocab_size - 1})")
 
 
+def check_mask_unused(mask_token_id: int, input_ids) -> None:
+    """The mask token must never be a real token of the data: the drafter could not tell a masked
+    slot from that token (the id is chosen automatically for tokenizers without a mask token)."""
+    n = int((input_ids == mask_token_id).sum())
+    if n:
+        raise TrainError(f"model.mask_token_id={mask_token_id} occurs {n} times in the training data; "
+                         "set model.mask_token_id to a token id the data never uses")
+
+
 def choose_checkpoint(run_dir: Path, resume_arg: str) -> Path | None:
     """The checkpoint this start resumes from (verified), or None for a fresh start."""
     if resume_arg == "never":

@@ -38,7 +38,14 @@ from dflash_train.train.distributed import DistContext
 from dflash_train.train.eval_hook import InTrainingEval
 from dflash_train.train.interval import IntervalMeter
 from dflash_train.train.metrics import MetricsLogger, log_to_files, setup_logging
-from dflash_train.train.preflight import TrainError, check_run_dir, check_target_fit, preflight, refuse_busy
+from dflash_train.train.preflight import (
+    TrainError,
+    check_mask_unused,
+    check_run_dir,
+    check_target_fit,
+    preflight,
+    refuse_busy,
+)
 from dflash_train.train.resume import apply_schedule_changes, drafter_mismatch, keep_fresh_start_aside, settle_timeline
 from dflash_train.train.schedule import make_scheduler
 from dflash_train.train.state import TrainState, check_recipe, checkpoint_payload, recipe_of, restore_payload
@@ -138,9 +145,8 @@ class Trainer:
 
     def _log_target(self, target, seconds: float) -> None:
         check_target_fit(self.cfg, target.num_layers, target.vocab_size)
-        log.info("target %s loaded in %.1fs: %d layers, hidden %d, vocab %d, mask token %d",
-                 self.cfg.target.path, seconds, target.num_layers, target.hidden_size,
-                 target.vocab_size, target.mask_token_id)
+        log.info("target %s loaded in %.1fs: %d layers, hidden %d, vocab %d",
+                 self.cfg.target.path, seconds, target.num_layers, target.hidden_size, target.vocab_size)
 
     def _build(self) -> None:
         cfg = self.cfg
@@ -155,9 +161,10 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         self.drafter = build_drafter(self.drafter_cfg, seed=cfg.train.seed).to(self.device)
         n_params = sum(p.numel() for p in self.drafter.parameters())
-        log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d",
+        log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d, mask token %d",
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
-                 self.drafter_cfg.block_size)
+                 self.drafter_cfg.block_size, self.drafter_cfg.mask_token_id)
+        check_mask_unused(self.drafter_cfg.mask_token_id, self.data.input_ids)
         self.vocab_subset = vocab_subset_from_rows(self.data.input_ids, self.data.loss_mask, cfg.train.vocab_subset)
         if self.vocab_subset is not None:
             self.vocab_subset = self.vocab_subset.to(self.device)

