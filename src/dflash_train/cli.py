@@ -263,14 +263,16 @@ def compare(
     num_prompts: int = typer.Option(12, "--num-prompts", min=1),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
     decode: bool = typer.Option(False, "--decode", help="also real speculative decoding with wall-clock tok/s"),
+    engine: bool = typer.Option(False, "--engine", help="also serve each variant's export in vLLM (serve-bench)"),
 ):
     """A/B of training recipes: train each variant, score tau against prompt lookup, print the table."""
 
     def go():
         from dflash_train.compare import print_table, run_compare
 
-        results = run_compare(config, variant, overrides or [], out, num_prompts, max_new_tokens, decode)
-        print_table(results, decode)
+        results = run_compare(config, variant, overrides or [], out, num_prompts, max_new_tokens, decode,
+                              engine=engine)
+        print_table(results, decode, engine)
         typer.echo(f"results: {out / 'compare.json'}")
 
     _guard(go)

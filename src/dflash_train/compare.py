@@ -19,6 +19,9 @@ conversations of the base config's `data.source`, as the demo picks them):
   first training answers: a high tau there and a low one held out is memorisation;
 * `--decode`: real speculative decoding besides, with wall-clock tok/s of plain,
   DFlash and prompt-lookup decoding, each checked lossless (what `eval` reports).
+* `--engine`: each variant's export served by vLLM on the same prompts (engine/serve_bench.py):
+  the engine's tau and tok/s for DFlash, with plain vLLM and vLLM's n-gram measured once,
+  and lossless against plain vLLM. The figure that decides a recipe.
 
 The table is printed and written to OUT/compare.json.
 """
@@ -243,7 +246,7 @@ def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: in
 # --------------------------------------------------------------------------- the command
 
 
-def print_table(results: dict[str, dict], decode: bool) -> None:
+def print_table(results: dict[str, dict], decode: bool, engine: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -252,6 +255,8 @@ def print_table(results: dict[str, dict], decode: bool) -> None:
             "tau train answers", "prompt lookup (train)"]
     if decode:
         cols += ["tok/s plain", "tok/s DFlash", "tok/s lookup", "lossless"]
+    if engine:
+        cols += ["tau vLLM", "vLLM n-gram", "tok/s vLLM", "vs plain vLLM", "lossless vLLM"]
     for c in cols:
         t.add_column(c, justify="left" if c == "variant" else "right")
 
@@ -268,13 +273,45 @@ def print_table(results: dict[str, dict], decode: bool) -> None:
             cells += [f(d.get("tokens_per_s_plain"), ".1f"), f(d.get("tokens_per_s_spec"), ".1f"),
                       f(d.get("tokens_per_s_ngram"), ".1f"),
                       "-" if not d else str(bool(d.get("outputs_match")) and bool(d.get("outputs_match_ngram")))]
+        if engine:
+            cells += [f(r.get("tau_engine"), ".3f"), f(r.get("tau_engine_ngram"), ".3f"),
+                      f(r.get("tokens_per_s_engine"), ".1f"), f(r.get("speedup_engine")), str(r.get("lossless_engine"))]
         t.add_row(*cells)
     Console(width=200).print(t)
 
 
+def engine_scores(target_path: str, target, prompts, max_new_tokens: int, out: Path,
+                  names: Sequence[str]) -> dict[str, dict]:
+    """Every variant's export in vLLM: {name: {tau_engine, tokens_per_s_engine, speedup_engine, lossless_engine,
+    tau_engine_ngram, tokens_per_s_engine_plain}}; plain vLLM and its n-gram are served once."""
+    from dflash_train.engine.serve_bench import measure_in_vllm, served_target_dir
+    from dflash_train.eval.prompts import encode_prompts
+    from dflash_train.export import export_checkpoint
+
+    ids, stops = encode_prompts(target, prompts)
+    target_dir = served_target_dir(target_path)
+    exports = {n: export_checkpoint(out / n, out / n / "export", force=True) for n in names}
+    first = next(iter(exports.values()))
+    base = measure_in_vllm(first, target_dir, ids, stops, max_new_tokens, ("plain", "ngram"),
+                           log=lambda m: print(m, flush=True))
+    rows = {r["method"]: r for r in base["rows"]}
+    plain_out = base["outputs"]["plain"]
+    scores = {}
+    for n, exp in exports.items():
+        res = measure_in_vllm(exp, target_dir, ids, stops, max_new_tokens, ("dflash",),
+                              log=lambda m: print(m, flush=True))
+        d = res["rows"][0]
+        scores[n] = {"tau_engine": d["tau"], "tokens_per_s_engine": d["tokens_per_s"],
+                     "speedup_engine": d["tokens_per_s"] / rows["plain"]["tokens_per_s"],
+                     "lossless_engine": res["outputs"]["dflash"] == plain_out,
+                     "tau_engine_ngram": rows["ngram"]["tau"], "tokens_per_s_engine_ngram": rows["ngram"]["tokens_per_s"],
+                     "tokens_per_s_engine_plain": rows["plain"]["tokens_per_s"]}
+    return scores
+
+
 def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str], out: Path,
                 num_prompts: int = 12, max_new_tokens: int = 64, decode: bool = False,
-                num_train_answers: int | None = None) -> dict[str, dict]:
+                num_train_answers: int | None = None, engine: bool = False) -> dict[str, dict]:
     from dflash_train.data import load_prepared
     from dflash_train.eval.prompts import pick_eval_prompts
     from dflash_train.targets import load_target
@@ -320,5 +357,12 @@ def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str
         results[v.name] = row
         print(f"[{v.name}] tau held-out {row['tau_heldout']:.3f} (prompt lookup {row['tau_ngram_heldout']:.3f}), "
               f"scored in {row['score_s']:.0f}s", flush=True)
+    if engine:
+        for name, row in engine_scores(cfg.target.path, target, prompts, max_new_tokens, out,
+                                       [v.name for v in variants]).items():
+            results[name].update(row)
+            print(f"[{name}] vLLM: tau {row['tau_engine']:.3f} (n-gram {row['tau_engine_ngram']:.3f}), "
+                  f"{row['tokens_per_s_engine']:.1f} tok/s (plain {row['tokens_per_s_engine_plain']:.1f}), "
+                  f"lossless {row['lossless_engine']}", flush=True)
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
     return results

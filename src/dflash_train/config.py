@@ -216,11 +216,18 @@ class LoggingConfig(_Section):
 
 
 class DemoConfig(_Section):
-    """Only `dflash-train demo` reads these: how much data the target rewrites."""
+    """Only `dflash-train demo` reads these: how much data the target rewrites, with what, and
+    who judges the drafter."""
 
     regenerate_conversations: int = Field(64, ge=1)
     regenerate_tokens: int = Field(64, ge=1)
     regenerate_batch: int = Field(16, ge=1)
+    # vllm: one batched vLLM run writes the answers (~191 tok/s vs ~30 for our loop on 2 cores);
+    # trainer: our own decoding loop (a target vLLM cannot load)
+    regenerate_engine: Literal["vllm", "trainer"] = "vllm"
+    # engine: the export served by vLLM (plain, n-gram, DFlash; the engine's counters);
+    # eval: our own speculative decoding (a target vLLM cannot serve DFlash for, e.g. Gemma 3)
+    judge: Literal["engine", "eval"] = "engine"
 
 
 class RunConfig(_Section):

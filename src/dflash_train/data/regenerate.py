@@ -89,13 +89,18 @@ def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_
 
 
 def regenerate_conversations(cfg, out: Path, target, max_conversations: int | None = None, max_new_tokens: int = 256,
-                             batch_size: int = 8, temperature: float = 0.0) -> dict:
+                             batch_size: int = 8, temperature: float = 0.0, generate=None) -> dict:
     """Regenerate the answers of the first `max_conversations` conversations of
     ``data.source`` (default ``data.limit``) into `out` (JSONL, appended,
     resumable) with `target`: a loaded Target, or a function that loads one (called only when
     something is left to regenerate). Returns counts:
     conversations, already_done, written, prompt_too_long, empty_answer,
-    new_tokens, seconds."""
+    new_tokens, seconds.
+
+    `generate`: answers all prompts in one batched call instead of our own decoding loop
+    (``generate(prompt_ids, max_new_tokens, stop_token_ids) -> [(new ids, finished)]``, greedy;
+    the demo passes vLLM's batched generation, `engine.serve_bench.generate_in_vllm`); `target`
+    then only needs its tokenizer and family."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -131,29 +136,44 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
     # batches of similar prompt lengths: left padding is wasted compute on every decode step
     items.sort(key=lambda it: len(it[1]))
     t0 = time.perf_counter()
-    with Progress(TextColumn("[bold]regenerating[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[tps]}"), console=console) as bar:
-        task = bar.add_task("regen", total=len(items), tps="")
+
+    def write(f, conv: Conversation, new: list[int], finished: bool) -> None:
+        text = target.tokenizer.decode(new, skip_special_tokens=True).strip()
+        counts["new_tokens"] += len(new)
+        if not text:
+            counts["empty_answer"] += 1
+            return
+        rec = Conversation(conv.id, conv.messages + [{"role": "assistant", "content": text}]).to_json()
+        rec["regenerated"] = {"max_new_tokens": max_new_tokens, "temperature": temperature,
+                              "finished": finished, "new_tokens": len(new)}
+        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        counts["written"] += 1
+
+    if generate is not None:
+        if temperature != 0:
+            raise DataError("regenerate through an engine is greedy only (temperature 0)")
+        console.print(f"regenerating {len(items)} answers in one batched engine run")
+        answers = generate([ids for _, ids in items], max_new_tokens, fmt.stop_token_ids())
         with out.open("a", encoding="utf-8") as f:
-            for b in range(0, len(items), batch_size):
-                chunk = items[b:b + batch_size]
-                seed = None if temperature == 0 else int(cfg.train.seed) * 1_000_003 + b
-                answers = generate_answers(target, fmt, [ids for _, ids in chunk], max_new_tokens, temperature, seed)
-                for (conv, _), (new, finished) in zip(chunk, answers):
-                    text = target.tokenizer.decode(new, skip_special_tokens=True).strip()
-                    counts["new_tokens"] += len(new)
-                    if not text:
-                        counts["empty_answer"] += 1
-                        continue
-                    rec = Conversation(conv.id, conv.messages + [{"role": "assistant", "content": text}]).to_json()
-                    rec["regenerated"] = {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                                          "finished": finished, "new_tokens": len(new)}
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                    counts["written"] += 1
-                f.flush()
-                os.fsync(f.fileno())
-                dt = time.perf_counter() - t0
-                bar.update(task, advance=len(chunk), tps=f"{counts['new_tokens'] / max(dt, 1e-9):.1f} tok/s")
+            for (conv, _), (new, finished) in zip(items, answers):
+                write(f, conv, list(new), bool(finished))
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        with Progress(TextColumn("[bold]regenerating[/bold]"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TextColumn("{task.fields[tps]}"), console=console) as bar:
+            task = bar.add_task("regen", total=len(items), tps="")
+            with out.open("a", encoding="utf-8") as f:
+                for b in range(0, len(items), batch_size):
+                    chunk = items[b:b + batch_size]
+                    seed = None if temperature == 0 else int(cfg.train.seed) * 1_000_003 + b
+                    answers = generate_answers(target, fmt, [ids for _, ids in chunk], max_new_tokens, temperature, seed)
+                    for (conv, _), (new, finished) in zip(chunk, answers):
+                        write(f, conv, new, finished)
+                    f.flush()
+                    os.fsync(f.fileno())
+                    dt = time.perf_counter() - t0
+                    bar.update(task, advance=len(chunk), tps=f"{counts['new_tokens'] / max(dt, 1e-9):.1f} tok/s")
     counts["seconds"] = round(time.perf_counter() - t0, 2)
     console.print(f"regenerate: wrote {counts['written']} answers to {out} ({counts['already_done']} already there, "
                   f"{counts['prompt_too_long']} prompts too long, {counts['empty_answer']} empty) "

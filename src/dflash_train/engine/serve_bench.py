@@ -92,32 +92,52 @@ def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Seq
         "methods": [{"name": m, "k": k, **({"model": str(export_dir)} if m == "dflash" else {})}
                     for m in methods],
     }
+    if log:
+        log(f"vLLM: serving {target_dir} with {', '.join(methods)} ({len(job['prompts'])} prompts, "
+            f"<= {max_new_tokens} new tokens, k {k}, {job['dtype']}); one engine start each")
+    t0 = time.perf_counter()
+    res = run_worker(job, timeout_s)
+    if "error" in res:
+        raise UserError(f"vLLM cannot serve {export_dir.name} on {target_dir}: {res['error'][:400]}")
+    rows = summarise(res["methods"], len(job["prompts"]))
+    return {"vllm_version": res.get("vllm_version"), "rows": rows, "k": k, "dtype": job["dtype"],
+            "num_prompts": len(job["prompts"]), "max_new_tokens": int(max_new_tokens),
+            "seconds": time.perf_counter() - t0, "outputs": {m["name"]: m["outputs"] for m in res["methods"]}}
+
+
+def run_worker(job: dict, timeout_s: float) -> dict:
+    """Run `vllm_worker.py` on `job` with the vLLM environment's interpreter; its result dict
+    (with "error" when vLLM raised). Raises UserError when no result came back."""
     py = vllm_python()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_CACHE_GIB)}
     env.pop("PYTHONPATH", None)  # the trainer's paths must not leak into the engine's environment
     with tempfile.TemporaryDirectory(prefix="dflash-vllm-") as tmp:
         job_file, result_file, log_file = Path(tmp, "job.json"), Path(tmp, "result.json"), Path(tmp, "vllm.log")
         job_file.write_text(json.dumps(job))
-        t0 = time.perf_counter()
-        if log:
-            log(f"vLLM: serving {target_dir} with {', '.join(methods)} ({len(job['prompts'])} prompts, "
-                f"<= {max_new_tokens} new tokens, k {k}); one engine start each")
         with open(log_file, "w") as lf:
             try:
                 proc = subprocess.run([str(py), str(WORKER), str(job_file), str(result_file)], stdout=lf,
                                       stderr=subprocess.STDOUT, env=env, cwd=tmp, timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                raise UserError(f"vLLM did not finish within {timeout_s:.0f}s serving {target_dir}") from None
+                raise UserError(f"vLLM did not finish within {timeout_s:.0f}s on {job['target']}") from None
         if not result_file.is_file():
             tail = log_file.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise UserError(f"vLLM exited with code {proc.returncode} before writing a result: {tail[0][:300]}")
-        res = json.loads(result_file.read_text())
-        if "error" in res:
-            raise UserError(f"vLLM cannot serve {export_dir.name} on {target_dir}: {res['error'][:400]}")
-    rows = summarise(res["methods"], len(job["prompts"]))
-    return {"vllm_version": res.get("vllm_version"), "rows": rows, "k": k, "dtype": job["dtype"],
-            "num_prompts": len(job["prompts"]), "max_new_tokens": int(max_new_tokens),
-            "seconds": time.perf_counter() - t0, "outputs": {m["name"]: m["outputs"] for m in res["methods"]}}
+        return json.loads(result_file.read_text())
+
+
+def generate_in_vllm(target_dir: Path, prompt_ids: Sequence[Sequence[int]], stop_token_ids: Sequence[int],
+                     max_new_tokens: int, dtype: str = "bfloat16", max_num_seqs: int = 64,
+                     timeout_s: float = 3600.0) -> tuple[list[tuple[list[int], bool]], float]:
+    """Greedy answers to many prompts in one batched vLLM run (target-written training data):
+    ([(new token ids, finished by a stop token)], generation seconds without the engine start)."""
+    job = {"mode": "generate", "target": str(target_dir), "dtype": dtype, "max_model_len": 4096,
+           "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
+           "stop_token_ids": [int(s) for s in stop_token_ids], "max_num_seqs": int(max_num_seqs)}
+    res = run_worker(job, timeout_s)
+    if "error" in res:
+        raise UserError(f"vLLM could not generate with {target_dir}: {res['error'][:400]}")
+    return list(zip(res["outputs"], res["finished"])), float(res["seconds"])
 
 
 def summarise(methods: Sequence[dict], num_prompts: int) -> list[dict[str, Any]]:
@@ -132,7 +152,7 @@ def summarise(methods: Sequence[dict], num_prompts: int) -> list[dict[str, Any]]
         steps = decode_tokens - acc
         tps = n / m["seconds"] if m["seconds"] > 0 else float("nan")
         rows.append({
-            "method": m["name"], "k": m.get("k", 0) if m["name"] != "plain" else 0,
+            "method": m["name"], "label": LABELS.get(m["name"], m["name"]), "k": m.get("k", 0) if m["name"] != "plain" else 0,
             "tau": decode_tokens / steps if steps > 0 else float("nan"),
             "tokens_per_draft": 1.0 + acc / drafts if drafts else None,
             "drafts": drafts, "accepted_tokens": acc, "draft_tokens": float(m.get("spec_decode_num_draft_tokens", 0.0)),
@@ -162,7 +182,7 @@ def print_engine_table(res: dict[str, Any], title: str) -> None:
         return "-" if v is None or v != v else format(v, spec)
 
     for r in res["rows"]:
-        t.add_row(LABELS.get(r["method"], r["method"]), str(r["k"] or "-"), f(r["tau"], ".3f"),
+        t.add_row(r["label"], str(r["k"] or "-"), f(r["tau"], ".3f"),
                   f(r["tokens_per_draft"], ".3f"), f(r["tokens_per_s"], ".2f"), f(r["speedup"], ".2f"),
                   "-" if r["lossless"] is None else ("yes" if r["lossless"] else "NO"))
     con = Console()
@@ -208,9 +228,8 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_pro
             export_dir = export_checkpoint(src.path, Path(tmp) / "export")
         res = measure_in_vllm(export_dir, target_dir, ids, stops, max_new_tokens, methods, dtype=dtype, log=log)
     res.update({"drafter": str(src.path), "target": target_path, "prompts": prompts})
-    out = {k: v for k, v in res.items() if k != "outputs"}
-    if as_json:
-        print(json.dumps(_jsonable(out), allow_nan=False))
+    if as_json:  # with every method's output token ids (plain's are what the others must equal)
+        print(json.dumps(_jsonable(res), allow_nan=False))
     else:
         print_engine_table(res, f"served by vLLM: {src.path} on {target_path}")
     return res

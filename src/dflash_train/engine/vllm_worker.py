@@ -3,7 +3,7 @@ each method of a job in turn (plain, n-gram, DFlash) and writes what vLLM measur
 
 Standard library + vllm only: this file is executed by the vLLM venv's interpreter as a script
 (`python vllm_worker.py JOB.json RESULT.json`); `dflash_train.engine.serve_bench` writes the job
-and reads the result. One engine at a time: each method is a fresh `vllm.LLM` (a speculative
+and reads the result. A job with ``"mode": "generate"`` is batched greedy generation instead. One engine at a time: each method is a fresh `vllm.LLM` (a speculative
 config cannot change on a live engine), shut down before the next starts.
 
 Per method: one warm-up generation, then every prompt alone (batch 1: the latency regime
@@ -91,6 +91,29 @@ def run_method(job: dict, method: dict) -> dict:
             "outputs": outputs, **{k.split(":", 1)[1]: after[k] - before[k] for k in _COUNTERS}}
 
 
+def generate(job: dict) -> dict:
+    """Batched greedy generation (target-written training answers): all prompts in one call,
+    up to `max_num_seqs` sequences at a time."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
+              max_num_seqs=job.get("max_num_seqs", 64), enable_prefix_caching=False,
+              enforce_eager=job.get("enforce_eager", True))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"],
+                                stop_token_ids=job.get("stop_token_ids") or None)
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    return {"outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "finished": [o.outputs[0].finish_reason == "stop" for o in outs], "seconds": seconds}
+
+
 def main(job_path: str, result_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
@@ -99,10 +122,13 @@ def main(job_path: str, result_path: str) -> int:
         import vllm
 
         result["vllm_version"] = vllm.__version__
-        if any(m["name"] == "dflash" for m in job["methods"]):
-            check_pair(job)
-        for method in job["methods"]:
-            result["methods"].append(run_method(job, method))
+        if job.get("mode") == "generate":
+            result.update(generate(job))
+        else:
+            if any(m["name"] == "dflash" for m in job["methods"]):
+                check_pair(job)
+            for method in job["methods"]:
+                result["methods"].append(run_method(job, method))
     except BaseException as e:  # noqa: BLE001 - reported to the caller as one line + the traceback
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc()

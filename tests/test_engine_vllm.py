@@ -1,0 +1,160 @@
+"""vLLM serves our exports (issue 25): `dflash-train serve-bench` as a user runs it, in the vLLM
+environment the Makefile installs (.venv-vllm), on tiny random targets and on a short run of the
+embedded instruct target. Greedy outputs must equal plain vLLM's, the engine's counters must be
+read, the engine's tau must agree with our own replay of the same drafter on the same outputs,
+and a pair vLLM cannot serve (a Gemma 3 target) must be refused with one line and exit 2.
+
+Each engine start costs ~20-40 s on 2 cores; the prompts are few and short.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import write_tiny_jsonl
+from dflash_train.engine.serve_bench import REPO_VENV
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_VLLM = bool(os.environ.get("DFLASH_TRAIN_VLLM_PYTHON")) or (REPO_VENV / "bin" / "python").is_file()
+if not HAS_VLLM and os.environ.get("CI"):
+    raise RuntimeError("CI must have vLLM installed (make test installs .venv-vllm)")
+pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed: run `make vllm`")
+
+
+def cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
+def train_and_export(root: Path, target: str, data: Path, steps: int, *extra: str) -> Path:
+    run = root / "run"
+    r = cli("train", "--config", str(REPO / "configs" / "cpu-demo.yaml"), "--run-dir", str(run), f"target.path={target}",
+            f"data.source=jsonl:{data}", "data.limit=40", "data.max_tokens=128", f"data.cache_dir={root / 'cache'}",
+            f"train.max_steps={steps}", "train.max_seconds=600", "train.batch_size=4", "train.num_anchors=16",
+            "train.lr=3e-3", "train.vocab_subset=0", "checkpoint.every_steps=1000", "logging.progress=plain", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli("export", str(run), "--out", str(root / "export"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root / "export"
+
+
+def prompts_file(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return path
+
+
+def serve_bench(export: Path, target: str, prompts: Path, n: int, tokens: int, *methods: str):
+    args = ["serve-bench", str(export), "--target", target, "--prompts", str(prompts), "--num-prompts", str(n),
+            "--max-new-tokens", str(tokens), "--json"]
+    for m in methods:
+        args += ["--method", m]
+    return cli(*args)
+
+
+def replay_tau(export: Path, target_dir: str, prompts: list[str], outputs: list[list[int]]) -> float:
+    """Our masks-only tau of the same drafter on plain vLLM's outputs (eval/replay.py)."""
+    from dflash_train.config import TargetConfig
+    from dflash_train.eval.prompts import encode_prompts
+    from dflash_train.eval.replay import replay_acceptance
+    from dflash_train.eval.specdec import tau_of
+    from dflash_train.export import resolve_drafter_source
+    from dflash_train.model.dflash2 import build_drafter
+    from dflash_train.targets import load_target
+
+    target = load_target(TargetConfig(path=target_dir, device="cpu", dtype="float32"))
+    src = resolve_drafter_source(export)
+    drafter = build_drafter(src.config, seed=0)
+    drafter.load_state_dict(src.state_dict)
+    drafter.eval()
+    ids, _ = encode_prompts(target, prompts)
+    acc: list[int] = []
+    with torch.no_grad():
+        for p, out in zip(ids, outputs):
+            acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False)
+    return tau_of(acc)
+
+
+PROMPTS = ["Please explain how speculative decoding works.", "Write a short poem about the sea.",
+           "What is the capital of France?", "Could you summarize this text in one sentence, please?"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_target_factory) -> Path:
+    # vLLM's CPU attention takes head sizes 32, 64, 80, ...: 2 heads of 32
+    return tiny_target_factory("llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
+
+
+def test_tiny_llama_dflash_ngram_plain_lossless_and_counters(tiny_llama, tmp_path):
+    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    export = train_and_export(tmp_path, str(tiny_llama), data, 120)
+    r = serve_bench(export, str(tiny_llama), prompts_file(tmp_path / "p.jsonl", PROMPTS), 4, 24)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    rows = {row["method"]: row for row in res["rows"]}
+    assert set(rows) == {"plain", "ngram", "dflash"}
+    assert res["vllm_version"] == "0.32.0" and res["dtype"] == "float32"
+    assert rows["plain"]["tau"] == 1.0 and rows["plain"]["lossless"] is True
+    for m in ("ngram", "dflash"):
+        assert rows[m]["lossless"] is True, rows[m]
+        assert rows[m]["k"] == 7 and rows[m]["tau"] >= 1.0
+    # the engine's counters were read: DFlash drafts k tokens at every decode step
+    d = rows["dflash"]
+    assert d["drafts"] > 0 and d["draft_tokens"] == 7 * d["drafts"]
+    assert 0 <= d["accepted_tokens"] <= d["draft_tokens"]
+    # the engine's tau is ours: replay of the same drafter on plain vLLM's outputs
+    outputs = res_outputs(r)
+    ours = replay_tau(export, str(tiny_llama), PROMPTS, outputs)
+    assert abs(d["tau"] - ours) <= 0.05 * ours, (d["tau"], ours)
+
+
+def res_outputs(r: subprocess.CompletedProcess) -> list[list[int]]:
+    return json.loads(r.stdout)["outputs"]["plain"]
+
+
+def test_dflash2_export_served(tiny_llama, tmp_path):
+    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    export = train_and_export(tmp_path, str(tiny_llama), data, 20, "model.architecture=dflash2")
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    r = serve_bench(export, str(tiny_llama), prompts_file(tmp_path / "p.jsonl", PROMPTS[:2]), 2, 16,
+                    "plain", "dflash")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["method"]: row for row in json.loads(r.stdout)["rows"]}
+    assert rows["dflash"]["lossless"] is True and rows["dflash"]["drafts"] > 0
+
+
+def test_gemma3_target_refused_in_one_line(tiny_target_factory, tmp_path):
+    gemma = tiny_target_factory("gemma3", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
+    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    export = train_and_export(tmp_path, str(gemma), data, 2)
+    r = serve_bench(export, str(gemma), prompts_file(tmp_path / "p.jsonl", PROMPTS[:1]), 1, 8, "plain", "dflash")
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "Gemma3ForCausalLM" in lines[0] and "auxiliary hidden states" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_engine_is_one_line(tiny_llama, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dflash_train.cli", "serve-bench", str(tmp_path), "--target",
+                        str(tiny_llama)], capture_output=True, text=True,
+                       env={**os.environ, "DFLASH_TRAIN_VLLM_PYTHON": str(tmp_path / "no-python")})
+    assert r.returncode == 2 and "vLLM is not installed" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_embedded_instruct_target_short_run_served(tmp_path):
+    """The demo's target: a short run on SmolLM2-135M-Instruct, its export served losslessly."""
+    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    export = train_and_export(tmp_path, "embedded:smollm2-135m-instruct", data, 10)
+    cfg = json.loads((export / "config.json").read_text())
+    assert cfg["dflash_config"]["mask_token_id"] == 16  # <empty_output>: the rule for tokenizers without a mask
+    r = serve_bench(export, "embedded:smollm2-135m-instruct", prompts_file(tmp_path / "p.jsonl", PROMPTS[:2]), 2, 16,
+                    "plain", "dflash")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["method"]: row for row in json.loads(r.stdout)["rows"]}
+    assert rows["dflash"]["lossless"] is True and rows["dflash"]["drafts"] > 0
