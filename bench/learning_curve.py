@@ -1,0 +1,90 @@
+"""Learning curve of one run: masks-only tau of every checkpoint against training tokens and
+CPU-seconds, beside prompt lookup on the same outputs (issue 26 item 2).
+
+    .venv/bin/python bench/learning_curve.py runs/curve --num-prompts 12 --max-new-tokens 64
+
+tau is by replay on the target's greedy outputs of the run's held-out prompts (eval/replay.py;
+tests/test_engine_vllm.py holds it equal to vLLM's in-engine tau within 5 %); training tokens and
+seconds come from metrics.jsonl at each checkpoint's step. Writes RUN/learning_curve.json and
+RUN/plots/learning_curve.png with a fit tau - 1 = a * log(tokens) + b.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from dflash_train import rundir
+from dflash_train.compare import drafter_tau, greedy_outputs, ngram_tau
+from dflash_train.config import load_config
+from dflash_train.data import load_prepared
+from dflash_train.eval.prompts import pick_eval_prompts
+from dflash_train.export import resolve_drafter_source
+from dflash_train.model.dflash2 import build_drafter
+from dflash_train.targets import load_target
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    cfg = load_config(args.run_dir / "config.yaml")
+    target = load_target(cfg.target)
+    source_cfg = cfg.model_copy(deep=True)
+    source_cfg.data.regenerated = None
+    prompts = pick_eval_prompts(load_prepared(source_cfg, target.tokenizer, target.family).heldout,
+                                args.num_prompts, target, cfg.data.max_tokens)
+    held = greedy_outputs(target, prompts, args.max_new_tokens, args.run_dir)
+    metrics = {r["step"]: r for r in rundir.read_metrics(args.run_dir) if not r.get("eval")}
+    first = metrics[min(metrics)]
+    # wall seconds of training: from the first record's time back over its own interval
+    start = first["time"] - first["tokens"] / first["tokens_per_s"]
+    points = []
+    for ckpt in sorted((args.run_dir / "checkpoints").glob("step-*")):
+        src = resolve_drafter_source(ckpt)
+        drafter = build_drafter(src.config)
+        drafter.load_state_dict(src.state_dict)
+        drafter.eval()
+        m = metrics.get(src.step) or max((r for s, r in metrics.items() if s <= src.step), key=lambda r: r["step"])
+        k = int(src.config.block_size) - 1
+        with torch.no_grad():
+            tau = drafter_tau(drafter, target, held, seeded=False)
+        points.append({"step": src.step, "tokens": m.get("tokens"), "seconds": m["time"] - start,
+                       "tau": tau, "tau_ngram": ngram_tau(held, k)})
+        print(json.dumps(points[-1]), flush=True)
+    fit = None
+    xs = [(math.log(p["tokens"]), p["tau"] - 1) for p in points if p.get("tokens")]
+    if len(xs) >= 2:
+        n = len(xs)
+        mx, my = sum(x for x, _ in xs) / n, sum(y for _, y in xs) / n
+        sxx = sum((x - mx) ** 2 for x, _ in xs)
+        a = sum((x - mx) * (y - my) for x, y in xs) / sxx if sxx else 0.0
+        fit = {"a": a, "b": my - a * mx, "form": "tau - 1 = a * ln(tokens) + b"}
+    out = {"points": points, "fit": fit, "num_prompts": len(held), "max_new_tokens": args.max_new_tokens}
+    (args.run_dir / "learning_curve.json").write_text(json.dumps(out, indent=2) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([p["tokens"] for p in points], [p["tau"] for p in points], "o-", label="DFlash, masks only (replay)")
+    ax.axhline(points[-1]["tau_ngram"] if points else 1.0, color="gray", ls=":", label="prompt lookup / n-gram")
+    if fit:
+        t = sorted(p["tokens"] for p in points)
+        ax.plot(t, [1 + fit["a"] * math.log(x) + fit["b"] for x in t], "--", label="fit")
+    ax.set_xscale("log"); ax.set_xlabel("training tokens"); ax.set_ylabel("tau (held out)"); ax.legend(); ax.grid(alpha=.3)
+    (args.run_dir / "plots").mkdir(exist_ok=True)
+    fig.tight_layout(); fig.savefig(args.run_dir / "plots" / "learning_curve.png", dpi=110)
+    print(json.dumps({"fit": fit}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
