@@ -148,7 +148,7 @@ def _regenerate(cfg: RunConfig, target, out: Path) -> None:
 def _judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path, run_dir: Path) -> dict:
     """The export served by vLLM beside plain vLLM and vLLM's n-gram; our replay tau of the same
     drafter on plain vLLM's outputs (masks only, as the engine drafts) for the agreement check."""
-    from dflash_train.engine.serve_bench import measure_in_vllm, print_engine_table, served_target_dir
+    from dflash_train.engine.serve_bench import measure_in_vllm, served_target_dir
     from dflash_train.eval.prompts import encode_prompts
     from dflash_train.eval.replay import replay_acceptance
     from dflash_train.eval.specdec import tau_of
@@ -165,7 +165,6 @@ def _judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path, run_dir:
     acc: list[int] = []
     for p, out in zip(ids, engine["outputs"].get("plain", [])):
         acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False)
-    print_engine_table(engine, "served by vLLM on the held-out prompts")
     return {"engine": engine, "replay_tau": tau_of(acc) if acc else None}
 
 
