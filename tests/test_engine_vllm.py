@@ -158,3 +158,23 @@ def test_embedded_instruct_target_short_run_served(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {row["method"]: row for row in json.loads(r.stdout)["rows"]}
     assert rows["dflash"]["lossless"] is True and rows["dflash"]["drafts"] > 0
+
+
+def test_regenerate_through_vllm(tiny_llama, tmp_path):
+    """`dflash-train regenerate --engine vllm`: the target's answers in one batched vLLM run."""
+    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=12)
+    out = tmp_path / "regen.jsonl"
+    r = cli("regenerate", f"target.path={tiny_llama}", f"data.source=jsonl:{data}", "data.limit=12",
+            "data.max_tokens=128", "--out", str(out), "--max-new-tokens", "12", "--engine", "vllm")
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(recs) >= 10
+    for rec in recs:
+        last = rec["conversations"][-1]
+        assert last["from"] in ("gpt", "assistant") and last["value"].strip(), last
+        assert 1 <= rec["regenerated"]["new_tokens"] <= 12
+    # resumable like our own loop: a second run has nothing left to do
+    r = cli("regenerate", f"target.path={tiny_llama}", f"data.source=jsonl:{data}", "data.limit=12",
+            "data.max_tokens=128", "--out", str(out), "--max-new-tokens", "12", "--engine", "vllm")
+    assert r.returncode == 0 and "already in" in r.stderr + r.stdout
+    assert len(out.read_text().splitlines()) == len(recs)

@@ -153,15 +153,26 @@ def regenerate(
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     batch_size: int = typer.Option(8, "--batch-size"),
     temperature: float = typer.Option(0.0, "--temperature"),
+    engine: str = typer.Option("trainer", "--engine", help="trainer (our batched loop) | vllm (one batched "
+                               "vLLM run in .venv-vllm, greedy; ~6x the tokens/s on 2 cores)"),
 ):
     """Rewrite assistant turns with the target itself (greedy, batched, resumable)."""
 
     def go():
         from dflash_train.config import load_config
         from dflash_train.data.regenerate import regenerate_conversations
-        from dflash_train.targets import load_target
+        from dflash_train.targets import load_target, load_tokenizer
 
         cfg = load_config(config, overrides or [])
+        if engine not in ("trainer", "vllm"):
+            raise UserError(f"--engine {engine!r}: choose trainer or vllm")
+        if engine == "vllm":
+            from dflash_train.engine.serve_bench import TokenizerOnly, vllm_answers
+
+            tok, family = load_tokenizer(cfg.target)
+            regenerate_conversations(cfg, out, TokenizerOnly(tok, family), None, max_new_tokens, batch_size,
+                                     temperature, generate=vllm_answers(cfg.target.path, log=typer.echo))
+            return
         # the target loads only when some conversation still needs an answer
         regenerate_conversations(cfg, out, lambda: load_target(cfg.target), None, max_new_tokens, batch_size, temperature)
 

@@ -129,17 +129,9 @@ def _regenerate(cfg: RunConfig, target, out: Path) -> None:
     demo = cfg.demo
     generate = None
     if demo.regenerate_engine == "vllm":
-        from dflash_train.engine.serve_bench import generate_in_vllm, served_target_dir
+        from dflash_train.engine.serve_bench import vllm_answers
 
-        target_dir = served_target_dir(cfg.target.path)
-
-        def generate(prompt_ids, max_new_tokens, stops):
-            answers, seconds = generate_in_vllm(target_dir, prompt_ids, stops, max_new_tokens)
-            n = sum(len(a) for a, _ in answers)
-            console.print(f"vLLM wrote {n} tokens in {seconds:.0f}s of generation ({n / max(seconds, 1e-9):.0f} tok/s, "
-                          "batched; the engine start not counted)")
-            return answers
-
+        generate = vllm_answers(cfg.target.path, log=lambda m: console.print(m, markup=False))
     regenerate_conversations(cfg, out, max_conversations=demo.regenerate_conversations,
                              max_new_tokens=demo.regenerate_tokens, batch_size=demo.regenerate_batch,
                              temperature=0.0, target=target, generate=generate)

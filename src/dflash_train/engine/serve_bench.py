@@ -86,7 +86,7 @@ def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Seq
     k = int(k or int(cfg.get("block_size") or cfg.get("dflash_config", {}).get("block_size", 16)) - 1)
     job = {
         "target": str(target_dir), "dtype": dtype or DEFAULT_DTYPE,
-        "max_model_len": int(min(int(cfg.get("max_position_embeddings") or 4096), 4096)),
+        "max_model_len": _max_model_len(target_dir),
         "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
         "stop_token_ids": [int(s) for s in stop_token_ids],
         "methods": [{"name": m, "k": k, **({"model": str(export_dir)} if m == "dflash" else {})}
@@ -103,6 +103,17 @@ def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Seq
     return {"vllm_version": res.get("vllm_version"), "rows": rows, "k": k, "dtype": job["dtype"],
             "num_prompts": len(job["prompts"]), "max_new_tokens": int(max_new_tokens),
             "seconds": time.perf_counter() - t0, "outputs": {m["name"]: m["outputs"] for m in res["methods"]}}
+
+
+def _max_model_len(target_dir: Path, cap: int = 4096) -> int:
+    """The engine's context: the target's, at most `cap` (a small KV cache on CPU)."""
+    try:
+        mc = json.loads((Path(target_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return cap
+    tc = mc.get("text_config") if isinstance(mc.get("text_config"), dict) else mc
+    n = tc.get("max_position_embeddings") or mc.get("max_position_embeddings") or cap
+    return int(min(int(n), cap))
 
 
 def run_worker(job: dict, timeout_s: float) -> dict:
@@ -131,13 +142,28 @@ def generate_in_vllm(target_dir: Path, prompt_ids: Sequence[Sequence[int]], stop
                      timeout_s: float = 3600.0) -> tuple[list[tuple[list[int], bool]], float]:
     """Greedy answers to many prompts in one batched vLLM run (target-written training data):
     ([(new token ids, finished by a stop token)], generation seconds without the engine start)."""
-    job = {"mode": "generate", "target": str(target_dir), "dtype": dtype, "max_model_len": 4096,
+    job = {"mode": "generate", "target": str(target_dir), "dtype": dtype, "max_model_len": _max_model_len(target_dir),
            "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
            "stop_token_ids": [int(s) for s in stop_token_ids], "max_num_seqs": int(max_num_seqs)}
     res = run_worker(job, timeout_s)
     if "error" in res:
         raise UserError(f"vLLM could not generate with {target_dir}: {res['error'][:400]}")
     return list(zip(res["outputs"], res["finished"])), float(res["seconds"])
+
+
+def vllm_answers(target_path: str, log: Callable[[str], None] | None = None):
+    """`regenerate_conversations(generate=...)` through vLLM: one batched greedy run of the target."""
+    target_dir = served_target_dir(target_path)
+
+    def generate(prompt_ids, max_new_tokens, stops):
+        answers, seconds = generate_in_vllm(target_dir, prompt_ids, stops, max_new_tokens)
+        n = sum(len(a) for a, _ in answers)
+        if log:
+            log(f"vLLM wrote {n} tokens in {seconds:.0f}s of generation ({n / max(seconds, 1e-9):.0f} tok/s, "
+                "batched; the engine start not counted)")
+        return answers
+
+    return generate
 
 
 def summarise(methods: Sequence[dict], num_prompts: int) -> list[dict[str, Any]]:
@@ -216,7 +242,7 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_pro
     from dflash_train.config import TargetConfig
 
     tok, family = load_tokenizer(TargetConfig(path=target_path))
-    shim = _TokenizerOnly(tok, family)
+    shim = TokenizerOnly(tok, family)
     if prompt_list is None:
         prompt_list = _heldout_from_run(run_cfg, shim, num_prompts)
     ids, stops = encode_prompts(shim, prompt_list)
@@ -235,7 +261,7 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_pro
     return res
 
 
-class _TokenizerOnly:
+class TokenizerOnly:
     """What prompt encoding reads of a target: its tokenizer and family (no weights loaded)."""
 
     def __init__(self, tokenizer, family: str):
