@@ -3,8 +3,9 @@
 Figures (JSON keys):
   matmul_peak_flops   best of several large square matmuls in the training dtype
   target_tok_s        target forward (layer capture only) tokens/s
-  trainer_tok_s       drafter train step (forward + chunked loss + backward + AdamW)
-                      tokens/s, with features given (no target)
+  trainer_tok_s       the training step `train` runs (train/step.py TrainStep: forward +
+                      chunked loss + backward, normalisation, clipping, optimizer and
+                      lr schedule) tokens/s, with features given (no target)
   trainer_mfu         train-step FLOP/s / matmul_peak_flops (FLOP formula below)
   pipeline_tok_s      the real threaded pipeline: target worker -> queue -> trainer
   pipeline_efficiency pipeline_tok_s / what the stages allow: one device ->
@@ -32,6 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dflash_train.config import ModelConfig, TrainConfig
+from dflash_train.model.dflash2 import build_drafter
+from dflash_train.model.drafter import DrafterConfig
+from dflash_train.pipeline.batch import TrainBatch
+from dflash_train.pipeline.stages import Pipeline
+from dflash_train.targets import Target
+from dflash_train.train.step import TrainStep
 
 SHAPES = {
     # Gemma-3-270M-like target (18 layers, hidden 640, vocab 262144); 1-layer drafter
@@ -85,8 +94,6 @@ def random_target(shape: dict, dev: torch.device, dtype: torch.dtype):
     """A randomly initialised Qwen3-shaped target (no weights needed)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_train.targets import Target
-
     cfg = Qwen3Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["inter"],
                       num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
                       num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
@@ -116,6 +123,11 @@ def train_step_flops(shape: dict, drafter_cfg, vocab_eff: int) -> float:
     return 3 * layers + 2 * fc + 2 * head
 
 
+def bench_step(drafter, target, train_cfg, num_anchors: int, anchor_gen: torch.Generator) -> TrainStep:
+    """The step bench times: the Trainer's own (train/step.py `TrainStep.build`), one process."""
+    return TrainStep.build(drafter, target, train_cfg, num_anchors, anchor_gen)
+
+
 def _peak_memory(dev: torch.device) -> int:
     if dev.type == "cuda":
         return int(torch.cuda.max_memory_allocated(dev))
@@ -124,13 +136,6 @@ def _peak_memory(dev: torch.device) -> int:
 
 def run_bench(device: str = "cpu", shape_name: str = "small", steps: int = 3, dtype_name: str | None = None,
               log=print) -> BenchResult:
-    from dflash_train.config import ModelConfig, TrainConfig
-    from dflash_train.model.dflash2 import build_drafter
-    from dflash_train.model.drafter import DrafterConfig
-    from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer
-    from dflash_train.pipeline.batch import TrainBatch
-    from dflash_train.pipeline.stages import Pipeline
-
     if shape_name not in SHAPES:
         raise ValueError(f"--shape must be one of {', '.join(SHAPES)}")
     dev = torch.device(device)
@@ -150,8 +155,7 @@ def run_bench(device: str = "cpu", shape_name: str = "small", steps: int = 3, dt
     mcfg = ModelConfig(num_layers=shape["draft_layers"], block_size=shape["block"])
     dcfg = DrafterConfig.from_target(mcfg, target)
     drafter = build_drafter(dcfg, seed=0).to(dev)
-    tcfg = TrainConfig()  # the step training runs, with the default loss / optimizer settings
-    opt = make_optimizer(drafter, tcfg)
+    tcfg = TrainConfig(dtype=dtype_name)  # the step training runs, with the default loss / optimizer settings
     B, T = shape["batch"], shape["seq"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab"] - 2, (B, T), generator=g).to(dev)
@@ -176,17 +180,10 @@ def run_bench(device: str = "cpu", shape_name: str = "small", steps: int = 3, dt
     log(f"target forward: {target_tok_s:,.0f} tok/s")
 
     # ---- trainer alone
-    anchor_gen = torch.Generator().manual_seed(1)
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else torch.autocast(dev.type, enabled=False)
+    step = bench_step(drafter, target, tcfg, shape["anchors"], torch.Generator().manual_seed(1))
 
     def train_step(batch_feats):
-        opt.zero_grad(set_to_none=True)
-        with autocast:
-            out = loss_and_backward(drafter, target, TrainBatch(ids, mask, docs, batch_feats, [0], {}), tcfg,
-                                    shape["anchors"], anchor_gen)
-        clip_gradients(drafter, tcfg.grad_clip)
-        opt.step()
-        return out
+        return step(lambda: TrainBatch(ids, mask, docs, batch_feats, [0], {}))
 
     train_step(feats)
     _sync(dev)

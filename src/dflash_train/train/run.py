@@ -30,7 +30,6 @@ from dflash_train.control.signals import AbortRun, StopController, grace_warning
 from dflash_train.errors import UserError
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.model.drafter import DrafterConfig
-from dflash_train.model.objectives import Objective
 from dflash_train.pipeline.remote import load_trainer_target, serve_target_rank, trainer_pipeline
 from dflash_train.pipeline.training_data import open_training_data
 from dflash_train.rundir import RunDirBusy, RunRecord
@@ -47,9 +46,8 @@ from dflash_train.train.preflight import (
     refuse_busy,
 )
 from dflash_train.train.resume import apply_schedule_changes, drafter_mismatch, keep_fresh_start_aside, settle_timeline
-from dflash_train.train.schedule import make_scheduler
 from dflash_train.train.state import TrainState, check_recipe, checkpoint_payload, recipe_of, restore_payload
-from dflash_train.train.step import clip_gradients, loss_and_backward, make_optimizer, normalise_gradients
+from dflash_train.train.step import TrainStep
 from dflash_train.train.vocab_subset import vocab_subset_from_rows
 from dflash_train.utils import code_version, resolve_device
 
@@ -174,11 +172,10 @@ class Trainer:
             # the leader alone would run the sharded drafter's forward: its collectives would hang
             raise TrainError("eval.every_steps with train.sharding=fsdp2 is not supported yet: set eval.every_steps=0 "
                              "and run `dflash-train eval` on the checkpoints")
-        self.optimizer = make_optimizer(self.drafter, cfg.train)
-        self.objective = Objective.from_train_config(cfg.train)
-        self.scheduler = make_scheduler(self.optimizer, cfg.train.max_steps, cfg.train.warmup_fraction,
-                                        cfg.train.min_lr_ratio)
         self.anchor_gen = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1_000_003 * self.ctx.trainer_index)
+        self.step = TrainStep.build(self.drafter, self.target, cfg.train, self.num_anchors, self.anchor_gen,
+                                    self.vocab_subset, self.ctx, model=self.model)
+        self.optimizer, self.scheduler = self.step.optimizer, self.step.scheduler
         if cfg.train.compile:
             # per decoder layer, in place (as torchtitan does): the mask and anchor code
             # around the layers is data-dependent and stays eager; parameter names are unchanged
@@ -305,99 +302,26 @@ class Trainer:
                                 self.state.order_state, self.device)
 
     def _loop(self, stopper) -> int:
-        cfg = self.cfg
-        metrics = MetricsLogger(self.run_dir, cfg.train.max_steps, self.state.step, cfg.logging.tensorboard,
-                                cfg.logging.progress, enabled=self.is_leader)
+        """Steps until a stop; logging, eval and checkpoints each decide their own timing."""
+        metrics = MetricsLogger(self.run_dir, self.cfg.train.max_steps, self.state.step, self.cfg.logging.tensorboard,
+                                self.cfg.logging.progress, enabled=self.is_leader)
         pipe = self._pipeline()
-        stats = pipe.stats
-        autocast = self._autocast()
-        t_start = time.time()
         interval = IntervalMeter(self.drafter_cfg.block_size, self.device)
-        step_times: list[float] = []
-        stop_reason = None
-        self._last_saved = self.state.step
+        t_start, stop_reason, self._step_times, self._last_saved = time.time(), None, [], self.state.step
         try:
-            while True:
-                # ---- step boundary: every rank agrees to stop at the same step
-                local_stop = stopper.stop_requested or (
-                    cfg.train.max_seconds > 0 and time.time() - t_start >= cfg.train.max_seconds)
-                if self.ctx.agree_stop(local_stop):
-                    stop_reason = stopper.signal_name or ("time budget" if cfg.train.max_seconds else "peer rank")
-                    break
-                if self.state.step >= cfg.train.max_steps:
-                    stop_reason = "max_steps"
-                    break
-                t_step = time.perf_counter()
-                self.model.train()
-                self.optimizer.zero_grad(set_to_none=True)
-                step_loss = torch.zeros((), device=self.device)
-                step_weight = torch.zeros((), device=self.device)
-                batches = []
-                for micro in range(cfg.train.grad_accum):
-                    batch = pipe.get().to(self.device)
-                    batches.append(batch)
-                    t_busy = time.perf_counter()
-                    sync_ctx = self.ctx.no_sync(self.model) if micro < cfg.train.grad_accum - 1 else _null()
-                    with sync_ctx, autocast:
-                        out = loss_and_backward(self.model, self.target, batch, cfg.train, self.num_anchors,
-                                                self.anchor_gen, self.vocab_subset, cfg.train.grad_accum,
-                                                self.objective, on_policy=self._on_policy_step())
-                    step_loss += out.loss.detach() / cfg.train.grad_accum
-                    step_weight += out.weight_sum
-                    interval.add_micro(out)
-                    stats.add("trainer", busy=time.perf_counter() - t_busy)
-                t_busy = time.perf_counter()
-                # one normaliser for the whole step: every micro-batch and trainer rank (train/step.py)
-                normalise_gradients(self.drafter, step_weight, self.ctx)
-                grad_norm = clip_gradients(self.drafter, cfg.train.grad_clip)
-                # one host sync per step: the skip decision must agree on every rank
-                finite = bool(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
-                finite = self.ctx.agree_all(finite)
-                self.state.step += 1
-                self.state.order_state = batches[-1].order_state
-                n_tok = sum(b.num_tokens for b in batches) * self.ctx.num_trainers
-                n_samp = sum(b.input_ids.shape[0] for b in batches) * self.ctx.num_trainers
-                if finite:
-                    self.optimizer.step()
-                    self.state.consecutive_skips = 0
-                else:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self.state.consecutive_skips += 1
-                    self.state.skipped_total += 1
-                    log.warning("step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row)",
-                                self.state.step, float(step_loss), float(grad_norm), self.state.consecutive_skips)
-                self.scheduler.step()
-                self.state.tokens += n_tok
-                self.state.samples += n_samp
-                interval.add_step(step_loss, finite, n_tok, n_samp)
-                stats.add("trainer", busy=time.perf_counter() - t_busy)
-                step_times.append(time.perf_counter() - t_step)
+            while (stop_reason := self._stop_reason(stopper, t_start)) is None:
+                res = self.step(pipe.get, on_policy=self._on_policy_step())
+                self._account(res, interval, pipe.stats)
                 metrics.advance(self.state.step)
-
-                give_up = self.state.consecutive_skips >= cfg.train.max_consecutive_skips
-                if self.state.step % cfg.logging.every_steps == 0 or give_up:
-                    rec = interval.record(self.state.step, step_loss, self.scheduler.get_last_lr()[0], grad_norm,
-                                          self.state.tokens, self.state.skipped_total)
-                    rec.update(stats.snapshot_and_reset())
-                    metrics.log(rec)
-                    if self.record is not None:
-                        self.record.update(step=self.state.step, tokens_per_s=rec["tokens_per_s"], loss=rec["loss"])
-
+                give_up = self.state.consecutive_skips >= self.cfg.train.max_consecutive_skips
+                self._maybe_log(res, interval, metrics, pipe.stats, force=give_up)
                 if give_up:
                     log.error("%d consecutive non-finite steps: stopping with the last good state",
                               self.state.consecutive_skips)
                     stop_reason = "non-finite"
                     break
-
-                if self.evals.due(self.state.step):
-                    t_eval = time.perf_counter()
-                    self._in_training_eval(metrics)
-                    interval.exclude(time.perf_counter() - t_eval)  # eval time is not training time
-
-                if self.state.step % cfg.checkpoint.every_steps == 0 and self.state.step != self._last_saved:
-                    self._save("periodic")
-                    if len(step_times) == cfg.checkpoint.every_steps or len(step_times) >= 3:
-                        self._grace_check(step_times)
+                self._maybe_eval(interval, metrics)
+                self._maybe_checkpoint()
         finally:
             pipe.close()
             metrics.close()
@@ -406,9 +330,57 @@ class Trainer:
         if self.state.step != self._last_saved and self.state.step > 0:
             self._save(stop_reason or "stop")
         self.ckpt.wait()
-        if stop_reason == "non-finite":
-            return 1
-        return 0
+        return 1 if stop_reason == "non-finite" else 0
+
+    def _stop_reason(self, stopper, t_start: float) -> str | None:
+        """At a step boundary every rank agrees to stop at the same step (a collective: every rank calls it)."""
+        t = self.cfg.train
+        local_stop = stopper.stop_requested or (t.max_seconds > 0 and time.time() - t_start >= t.max_seconds)
+        if self.ctx.agree_stop(local_stop):
+            return stopper.signal_name or ("time budget" if t.max_seconds else "peer rank")
+        return "max_steps" if self.state.step >= t.max_steps else None
+
+    def _account(self, res, interval: IntervalMeter, stats) -> None:
+        """The step's result into the run's state, the interval meter and the stage timers."""
+        self.state.step += 1
+        self.state.order_state = res.batches[-1].order_state
+        if res.finite:
+            self.state.consecutive_skips = 0
+        else:
+            self.state.consecutive_skips += 1
+            self.state.skipped_total += 1
+            log.warning("step %d: non-finite loss (%s) or grad norm (%s): step skipped (%d in a row)",
+                        self.state.step, float(res.loss), float(res.grad_norm), self.state.consecutive_skips)
+        self.state.tokens += res.num_tokens
+        self.state.samples += res.num_samples
+        for out in res.micro:
+            interval.add_micro(out)
+        interval.add_step(res.loss, res.finite, res.num_tokens, res.num_samples)
+        stats.add("trainer", busy=res.busy_s)
+        self._step_times.append(res.seconds)
+
+    def _maybe_log(self, res, interval: IntervalMeter, metrics, stats, force: bool = False) -> None:
+        if self.state.step % self.cfg.logging.every_steps and not force:
+            return
+        rec = interval.record(self.state.step, res.loss, self.scheduler.get_last_lr()[0], res.grad_norm,
+                              self.state.tokens, self.state.skipped_total)
+        rec.update(stats.snapshot_and_reset())
+        metrics.log(rec)
+        if self.record is not None:
+            self.record.update(step=self.state.step, tokens_per_s=rec["tokens_per_s"], loss=rec["loss"])
+
+    def _maybe_eval(self, interval: IntervalMeter, metrics) -> None:
+        if self.evals.due(self.state.step):
+            t_eval = time.perf_counter()
+            self._in_training_eval(metrics)
+            interval.exclude(time.perf_counter() - t_eval)  # eval time is not training time
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.cfg.checkpoint.every_steps
+        if self.state.step % every == 0 and self.state.step != self._last_saved:
+            self._save("periodic")
+            if len(self._step_times) == every or len(self._step_times) >= 3:
+                self._grace_check(self._step_times)
 
     def _grace_check(self, step_times: list[float]) -> None:
         step_s = float(np.median(step_times[-20:]))
@@ -419,11 +391,6 @@ class Trainer:
                  self.cfg.checkpoint.grace_seconds)
         if msg:
             log.warning(msg)
-
-    def _autocast(self):
-        if self.cfg.train.dtype == "bfloat16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return _null()
 
     def _in_training_eval(self, metrics) -> None:
         """Every rank takes part (the `best` decision is broadcast); the leader evaluates."""
@@ -458,11 +425,3 @@ class _FollowerCheckpoints:
 
     def mark_best(self, step: int) -> None:
         pass
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False

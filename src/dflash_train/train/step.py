@@ -1,8 +1,9 @@
-"""The drafter's training step, the unit `train` runs and `bench` times: the optimizer
-(train/optim.py), forward + chunked DFlash loss + backward per micro-batch (gradients
-accumulate), one normalisation of the accumulated gradient, gradient clipping. The loop
-around it (train/run.py) adds accumulation, DDP no_sync, autocast, the skip of non-finite
-steps agreed by all ranks, and the lr schedule.
+"""THE training step (`TrainStep`), the unit `train` runs and `bench` times: the optimizer
+(train/optim.py) and lr schedule, forward + chunked DFlash loss + backward per micro-batch
+(gradients accumulate, DDP no_sync, autocast), one normalisation of the accumulated
+gradient, gradient clipping, the skip of non-finite steps agreed by all ranks, the
+optimizer and scheduler step; it returns a `StepResult`. The loop around it
+(train/run.py) decides when to stop, log, evaluate and checkpoint.
 
 Normalisation: each micro-batch backpropagates its UNNORMALISED sum of weight * term;
 `normalise_gradients` then divides by the sum of weights over every micro-batch of the
@@ -11,12 +12,18 @@ whole step's batch, whatever its split into micro-batches and ranks (DDP average
 ranks' gradients: hence the factor num_trainers)."""
 from __future__ import annotations
 
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import torch
 
 from dflash_train.model.loss import LossOutput, dflash_loss, unwrap
 from dflash_train.model.on_policy import on_policy_anchors
 from dflash_train.model.objectives import Objective
-from dflash_train.train.optim import make_optimizer  # noqa: F401 - the trainer's and bench's entry point
+from dflash_train.train.optim import make_optimizer
+from dflash_train.train.schedule import make_scheduler
 
 
 def loss_and_backward(model, target, batch, train_cfg, num_anchors: int, generator: torch.Generator,
@@ -68,3 +75,116 @@ def clip_gradients(drafter: torch.nn.Module, max_norm: float) -> torch.Tensor:
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     return grad_norm
+
+
+# --------------------------------------------------------------------------- the one train step
+
+
+class _OneProcess:
+    """What a DistContext answers when there is a single trainer (bench, tests)."""
+
+    num_trainers = 1
+
+    def no_sync(self, model):
+        return contextlib.nullcontext()
+
+    def agree_all(self, ok: bool) -> bool:
+        return ok
+
+    def sum_over_trainers(self, value: float) -> float:
+        return value
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. `finite` is agreed by every trainer rank: when False the
+    update was skipped (gradients dropped; the lr schedule still advanced)."""
+
+    loss: torch.Tensor           # the step's loss: mean over its micro-batches (detached, on device)
+    grad_norm: torch.Tensor      # total gradient norm before clipping
+    finite: bool
+    micro: list[LossOutput]      # each micro-batch's output (acceptance counts, extras)
+    batches: list                # the TrainBatches consumed; the last one's order_state is the data position
+    num_tokens: int              # supervised tokens over every trainer rank
+    num_samples: int             # rows over every trainer rank
+    busy_s: float                # computing (waiting for batches excluded)
+    seconds: float               # the whole step, waits included
+
+
+class TrainStep:
+    """THE training step, in the shape of torchtitan's ``train_step`` /
+    ``forward_backward_step``: zero the gradients; per micro-batch (``train.grad_accum``)
+    the forward + loss + backward under DDP ``no_sync`` (all but the last) and autocast
+    (``train.dtype=bfloat16``); one normalisation of the accumulated gradient over the
+    step's weight (`normalise_gradients`); clipping; the finite-loss agreement of every
+    trainer rank (non-finite: the update is skipped); optimizer and scheduler step.
+    The Trainer runs it, `bench` times it (and `compare` trains its variants with the
+    Trainer). `build` makes the optimizer, scheduler and objective the same way for both."""
+
+    def __init__(self, model, drafter, target, train_cfg, optimizer, scheduler, objective: Objective,
+                 num_anchors: int, anchor_gen: torch.Generator, vocab_subset: torch.Tensor | None = None,
+                 ctx=None, device: torch.device | None = None) -> None:
+        self.model, self.drafter, self.target, self.cfg = model, drafter, target, train_cfg
+        self.optimizer, self.scheduler, self.objective = optimizer, scheduler, objective
+        self.num_anchors, self.anchor_gen, self.vocab_subset = num_anchors, anchor_gen, vocab_subset
+        self.ctx = ctx if ctx is not None else _OneProcess()
+        self.device = device if device is not None else next(drafter.parameters()).device
+
+    @classmethod
+    def build(cls, drafter, target, train_cfg, num_anchors: int, anchor_gen: torch.Generator,
+              vocab_subset: torch.Tensor | None = None, ctx=None, model=None) -> "TrainStep":
+        """The step with its optimizer (train/optim.py), lr schedule and objective from `train_cfg`.
+        `model`: the DDP / FSDP2 wrapper of `drafter` (wrap before: FSDP2 replaces the parameters)."""
+        optimizer = make_optimizer(drafter, train_cfg)
+        objective = Objective.from_train_config(train_cfg)
+        scheduler = make_scheduler(optimizer, train_cfg.max_steps, train_cfg.warmup_fraction, train_cfg.min_lr_ratio)
+        return cls(model if model is not None else drafter, drafter, target, train_cfg, optimizer, scheduler,
+                   objective, num_anchors, anchor_gen, vocab_subset, ctx)
+
+    def autocast(self):
+        if self.cfg.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def forward_backward(self, batch, on_policy: bool = False) -> LossOutput:
+        """One micro-batch (already on the device): forward + loss + backward, under autocast."""
+        with self.autocast():
+            return loss_and_backward(self.model, self.target, batch, self.cfg, self.num_anchors, self.anchor_gen,
+                                     self.vocab_subset, self.cfg.grad_accum, self.objective, on_policy=on_policy)
+
+    def __call__(self, next_batch: Callable[[], Any], on_policy: bool = False) -> StepResult:
+        """One optimizer step over ``train.grad_accum`` batches taken from `next_batch()`."""
+        t_step = time.perf_counter()
+        accum = self.cfg.grad_accum
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.zeros((), device=self.device)
+        weight = torch.zeros((), device=self.device)
+        batches, micro, busy = [], [], 0.0
+        for i in range(accum):
+            batch = next_batch().to(self.device)
+            batches.append(batch)
+            t_busy = time.perf_counter()
+            with self.ctx.no_sync(self.model) if i < accum - 1 else contextlib.nullcontext():
+                out = self.forward_backward(batch, on_policy)
+            loss += out.loss.detach() / accum
+            weight += out.weight_sum
+            micro.append(out)
+            busy += time.perf_counter() - t_busy
+        t_busy = time.perf_counter()
+        # one normaliser for the whole step: every micro-batch and trainer rank (module doc)
+        normalise_gradients(self.drafter, weight, self.ctx)
+        grad_norm = clip_gradients(self.drafter, self.cfg.grad_clip)
+        # one host sync per step: the skip decision must agree on every rank
+        finite = self.ctx.agree_all(bool(torch.isfinite(loss) & torch.isfinite(grad_norm)))
+        if finite:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        n = self.ctx.num_trainers
+        busy += time.perf_counter() - t_busy
+        return StepResult(loss, grad_norm, finite, micro, batches,
+                          num_tokens=sum(b.num_tokens for b in batches) * n,
+                          num_samples=sum(b.input_ids.shape[0] for b in batches) * n,
+                          busy_s=busy, seconds=time.perf_counter() - t_step)
