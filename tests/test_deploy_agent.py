@@ -198,11 +198,11 @@ def test_health_verdicts(tmp_path, capsys, child):
     rd = tmp_path / "run"
     (rd / "logs").mkdir(parents=True)
     log = rd / "logs" / "deploy.log"
-    write_record(rd, p.pid, step=14)
+    write_record(rd, p.pid, step=14, resumed_step=10)
     before = [{"step": s, "loss": 3.0, "tokens_per_s": 100.0} for s in (6, 8, 10)]
     after = [{"step": s, "loss": 2.5, "tokens_per_s": 80.0} for s in (12, 14)]
     (rd / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in before + after))
-    log.write_text("INFO resumed from /r/checkpoints/step-00000010 at step 10 (99 tokens trained)\n")
+    log.write_text("INFO resumed from /r/checkpoints/step-00000010 at step 10 (99 tokens trained)\n")  # not read
     base = ag(capsys, "baseline", "--run-dir", rd, "--upto", 10)
     assert base["tokens_per_s"] == 100.0 and base["step"] == 10 and base["loss"] == 3.0
     ok = _health(capsys, rd, p.pid, "--timeout", "10", "--min-tps", "50")
@@ -210,20 +210,22 @@ def test_health_verdicts(tmp_path, capsys, child):
     slow = _health(capsys, rd, p.pid, "--timeout", "0.5", "--min-tps", "500")
     assert slow["ok"] is False and "below the minimum" in slow["message"]
     # not enough steps yet -> times out naming what is missing
-    write_record(rd, p.pid, step=12)
+    write_record(rd, p.pid, step=12, resumed_step=10)
     short = _health(capsys, rd, p.pid, "--timeout", "0.5")
     assert short["ok"] is False and "need 13" in short["message"]
-    write_record(rd, p.pid, step=14)
+    write_record(rd, p.pid, step=14, resumed_step=10)
     # a non-finite loss after the resume (the trainer writes "nan" as a string)
     (rd / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in before + after + [{"step": 16, "loss": "nan"}]))
     nan = _health(capsys, rd, p.pid, "--timeout", "10")
     assert nan["ok"] is False and "non-finite" in nan["message"]
-    # resumed from the wrong step
+    # resumed from the wrong step: read from run.json (resumed_step), never from a log line
     (rd / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in before + after))
-    log.write_text("INFO resumed from /r/checkpoints/step-00000008 at step 8 (9 tokens trained)\n")
+    log.write_text("INFO resumed from /r/checkpoints/step-00000010 at step 10 (99 tokens trained)\n")
+    write_record(rd, p.pid, step=14, resumed_step=8)
     wrong = _health(capsys, rd, p.pid, "--timeout", "10")
     assert wrong["ok"] is False and "resumed at step 8" in wrong["message"]
-    # the log offset hides lines written before the new process started
+    # resumed at the stop step again (the log offsets are still accepted)
+    write_record(rd, p.pid, step=14, resumed_step=10)
     offs = json.dumps({str(log): log.stat().st_size})
     assert _health(capsys, rd, p.pid, "--timeout", "10", "--log-offsets", offs)["ok"]
     # the process exits

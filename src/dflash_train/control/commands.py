@@ -28,24 +28,19 @@ Contract with the trainer: on exit it calls
 from __future__ import annotations
 
 import json
-import signal
 import socket
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
-
-from dflash_train.rundir import LATEST, liveness, metrics_summary, parse_step, read_link, read_record, verify_checkpoint
+from dflash_train.rundir import (LATEST, RunDir, liveness, metrics_summary, parse_signal, parse_step, read_link, read_record,
+                                 stop_and_confirm)
 
 EXIT_LIVE = 0
 EXIT_NOT_LIVE = 3
 EXIT_USAGE = 2
 STOP_OK, STOP_NOT_CONFIRMED, STOP_REFUSED = 0, 1, 2
-
-_SIGNALS = {"INT": signal.SIGINT, "TERM": signal.SIGTERM}
 
 
 def _err(msg: str) -> None:
@@ -69,7 +64,7 @@ def status_info(run_dir: Path) -> dict[str, Any]:
     live, reason = liveness(rec or None)
     ms = metrics_summary(run_dir)
     steps = [s for s in (rec.get("step"), ms.get("step")) if isinstance(s, int)]
-    latest = read_link(run_dir / "checkpoints", LATEST)
+    latest = read_link(RunDir(run_dir).checkpoints, LATEST)
     tps = ms.get("tokens_per_s")
     if tps is None:
         tps = rec.get("tokens_per_s")
@@ -154,18 +149,6 @@ class StopResult:
         return asdict(self)
 
 
-def _parse_signal(name: str) -> signal.Signals | None:
-    key = str(name).strip().upper().removeprefix("SIG")
-    return _SIGNALS.get(key)
-
-
-def _gone(proc: psutil.Process) -> bool:
-    try:
-        return (not proc.is_running()) or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def stop_run(
     run_dir: Path,
     timeout: float = 120.0,
@@ -174,10 +157,11 @@ def stop_run(
     log: Callable[[str], None] | None = None,
     poll_s: float = 0.1,
 ) -> StopResult:
-    """Signal the verified trainer of `run_dir`, wait, confirm its checkpoint."""
+    """Signal the verified trainer of `run_dir`, wait, confirm its checkpoint (rundir's
+    stop-and-confirm, the one deploy's agent runs too)."""
     log = log or (lambda m: print(m, flush=True))
     run_dir = Path(run_dir)
-    sig = _parse_signal(signal_name)
+    sig = parse_signal(signal_name)
     if sig is None:
         return StopResult(STOP_REFUSED, f"unknown --signal {signal_name!r}; use INT or TERM")
     rec = read_record(run_dir)
@@ -191,60 +175,45 @@ def stop_run(
     if rec.get("hostname") not in (None, socket.gethostname()):
         return StopResult(STOP_REFUSED, f"refusing to stop: the run is on host {rec.get('hostname')}, not this one "
                                         f"({socket.gethostname()}); use --via to reach it", pid=pid)
-    try:
-        proc = psutil.Process(pid)
-        if abs(proc.create_time() - float(rec["create_time"])) > 1.0:  # re-check right before signalling
-            return StopResult(STOP_REFUSED, f"refusing to stop: pid {pid} was reused by another process", pid=pid)
-        step0 = rec.get("step")
-        proc.send_signal(sig)
-    except psutil.NoSuchProcess:
-        return StopResult(STOP_REFUSED, f"refusing to stop: pid {pid} exited just now; last checkpoint: {last or 'none'}", pid=pid)
-    except psutil.AccessDenied:
-        return StopResult(STOP_REFUSED, f"refusing to stop: no permission to signal pid {pid} "
-                                        "(run stop as the trainer's user or root)", pid=pid)
-    t0 = time.monotonic()
-    log(f"sent {sig.name} to pid {pid} (step {step0}); waiting up to {timeout:g}s for it to checkpoint and exit")
-    next_note = t0 + 15.0
-    while not _gone(proc) and time.monotonic() - t0 < timeout:
-        time.sleep(poll_s)
-        if time.monotonic() >= next_note:
-            next_note += 15.0
-            cur = read_record(run_dir) or {}
-            log(f"  still waiting after {time.monotonic() - t0:.0f}s (step {cur.get('step')}, "
-                f"checkpoints/latest {getattr(read_link(run_dir / 'checkpoints', LATEST), 'name', None)})")
-    waited = time.monotonic() - t0
-    if not _gone(proc):
-        cur = (read_record(run_dir) or {}).get("step")
+    rd = RunDir(run_dir)
+
+    def note(waited: float) -> None:
+        cur = read_record(run_dir) or {}
+        log(f"  still waiting after {waited:.0f}s (step {cur.get('step')}, "
+            f"checkpoints/latest {getattr(read_link(rd.checkpoints, LATEST), 'name', None)})")
+
+    def sent() -> None:
+        log(f"sent {sig.name} to pid {pid} (step {rec.get('step')}); waiting up to {timeout:g}s for it to checkpoint "
+            "and exit")
+
+    res = stop_and_confirm(run_dir, pid, rec.get("create_time"), sig, timeout, force=force, poll_s=poll_s,
+                           on_wait=note, on_sent=sent)
+    if res.refused:
+        hint = {True: f"; last checkpoint: {last or 'none'}"}.get(res.already_exited, "")
+        if "permission" in res.refused:
+            hint = " (run stop as the trainer's user or root)"
+        return StopResult(STOP_REFUSED, f"refusing to stop: {res.refused}{hint}", pid=pid)
+    step, latest, waited = res.step, res.checkpoint, res.waited_s
+    if res.timed_out:
         if not force:
-            return StopResult(STOP_NOT_CONFIRMED, f"still running after {timeout:g} s (pid {pid}, step {cur}); not killed "
-                                                  "(use --force to SIGKILL after the timeout)", pid=pid, step=cur, waited_s=waited)
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-        t1 = time.monotonic()
-        while not _gone(proc) and time.monotonic() - t1 < 10:  # poll, never reap: it may be someone's child
-            time.sleep(poll_s)
-        latest = read_link(run_dir / "checkpoints", LATEST)
+            return StopResult(STOP_NOT_CONFIRMED, f"still running after {timeout:g} s (pid {pid}, step {step}); not killed "
+                                                  "(use --force to SIGKILL after the timeout)", pid=pid, step=step, waited_s=waited)
         return StopResult(STOP_NOT_CONFIRMED, f"still running after {timeout:g} s; sent SIGKILL (--force) to pid {pid}; "
                                               f"a resume will use the last committed checkpoint: {latest.name if latest else 'none'}",
-                          pid=pid, step=cur, checkpoint=str(latest) if latest else None, exited=_gone(proc), forced=True, waited_s=waited)
-    rec2 = read_record(run_dir) or {}
-    step = rec2.get("step")
-    latest = read_link(run_dir / "checkpoints", LATEST)
-    latest_step = parse_step(latest.name) if latest else None
-    crashed = " (it exited without releasing run.json: crash?)" if rec2.get("live") else ""
+                          pid=pid, step=step, checkpoint=str(latest) if latest else None, exited=res.exited, forced=True,
+                          waited_s=waited)
+    crashed = " (it exited without releasing run.json: crash?)" if res.record_live else ""
     if latest is None:
         return StopResult(STOP_NOT_CONFIRMED, f"process exited at step {step} but no checkpoint was committed{crashed}",
                           pid=pid, step=step, exited=True, waited_s=waited)
-    if step is None or latest_step != step:
+    if step is None or res.checkpoint_step != step:
         return StopResult(STOP_NOT_CONFIRMED, f"process exited at step {step} but checkpoints/latest is {latest.name} "
                                               f"(no checkpoint at the stop step){crashed}",
                           pid=pid, step=step, checkpoint=str(latest), exited=True, waited_s=waited)
-    problems = verify_checkpoint(latest)
-    if problems:
-        return StopResult(STOP_NOT_CONFIRMED, f"process exited at step {step} but {latest.name} fails verification: "
-                                              + "; ".join(problems[:3]), pid=pid, step=step, checkpoint=str(latest),
+    if not res.confirmed:
+        return StopResult(STOP_NOT_CONFIRMED, f"process exited at step {step} but {latest.name} "
+                                              + ("fails verification: " if not res.record_live else "is not confirmed: ")
+                                              + "; ".join(res.problems[:3]), pid=pid, step=step, checkpoint=str(latest),
                           exited=True, waited_s=waited)
     return StopResult(STOP_OK, f"stopped at step {step}, checkpoint {latest.name}", pid=pid, step=step,
                       checkpoint=str(latest), exited=True, waited_s=waited)

@@ -263,8 +263,9 @@ class Trainer:
             else:
                 self.ckpt = _FollowerCheckpoints()
             stopper.set_on_abandon(self.ckpt.abandon)
-            if self.record is not None:
-                self.record.update(step=self.state.step, last_checkpoint=self._last_ckpt_name())
+            if self.record is not None:  # resumed_step: what deploy's health check reads (0: a fresh start)
+                self.record.update(step=self.state.step, last_checkpoint=self._last_ckpt_name(),
+                                   resumed_step=self.state.step)
             exit_code = self._loop(stopper)
         except AbortRun:
             log.warning("second signal: abandoned the checkpoint in progress, exiting 130")
