@@ -39,10 +39,8 @@ Exit codes: 0 deployed (or dry run passed), 1 refused / failed / rolled back,
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -52,61 +50,20 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dflash_train import rundir
+from dflash_train.deploy.releases import LOCK_FILE
+from dflash_train.deploy.releasing import DeployError, ReleaseSteps
 from dflash_train.deploy.remote import parse_json_output
+from dflash_train.deploy.shipping import AGENT_SRC, PREFLIGHT_SRC
 from dflash_train.deploy.transport import Transport, TransportError
 
-HERE = Path(__file__).resolve().parent
-SHIPPED_RUNDIR = "dflash_train_shipped_rundir"
-
-
-def shipped_script(path: Path, helpers: Sequence[Path] = ()) -> str:
-    """A script for ``python -`` on the far end: it installs this package's rundir (the
-    run-directory protocol, standard library only) as the package SHIPPED_RUNDIR, module by
-    module in the order of rundir.MODULES, then runs `path` as __main__. The far end's own
-    dflash_train (another version, or the code under test) is never what decides "live" or
-    "valid". Each of `helpers` (standard library + rundir only) is installed as the module
-    ``dflash_train_shipped_<stem>`` before `path` runs."""
-    pkg = HERE.parent / "rundir"
-    lines = [
-        "import sys, types",
-        f"_p = types.ModuleType({SHIPPED_RUNDIR!r})",
-        f"_p.__path__ = []; _p.__package__ = {SHIPPED_RUNDIR!r}; _p.__file__ = {str(pkg / '__init__.py')!r}",
-        f"sys.modules[{SHIPPED_RUNDIR!r}] = _p",
-        "def _load(name, src, file):",
-        f"    m = types.ModuleType({SHIPPED_RUNDIR!r} + '.' + name)",
-        f"    m.__package__ = {SHIPPED_RUNDIR!r}; m.__file__ = file",
-        "    sys.modules[m.__name__] = m",
-        "    exec(compile(src, file, 'exec'), m.__dict__)",
-        "    setattr(_p, name, m)",
-    ]
-    for name in rundir.MODULES:
-        f = pkg / f"{name}.py"
-        lines.append(f"_load({name!r}, {f.read_text()!r}, {str(f)!r})")
-    init = pkg / "__init__.py"
-    lines.append(f"exec(compile({init.read_text()!r}, {str(init)!r}, 'exec'), _p.__dict__)")
-    for h in helpers:
-        name = f"dflash_train_shipped_{Path(h).stem}"
-        lines += [f"_h = types.ModuleType({name!r}); _h.__file__ = {str(h)!r}; sys.modules[{name!r}] = _h",
-                  f"exec(compile({Path(h).read_text()!r}, {str(h)!r}, 'exec'), _h.__dict__)"]
-    lines.append(f"exec(compile({Path(path).read_text()!r}, {str(path)!r}, 'exec'), {{'__name__': '__main__'}})")
-    return "\n".join(lines) + "\n"
-
-
-AGENT_SRC = shipped_script(HERE / "agent.py", helpers=(HERE / "releases.py",))
-PREFLIGHT_SRC = shipped_script(HERE / "preflight.py")
-CODE_EXCLUDES = ("__pycache__", "*.pyc", "*.pyo")
 KEEP_RELEASES = int(os.environ.get("DFLASH_DEPLOY_KEEP_RELEASES", "10"))
-
-
-class DeployError(Exception):
-    """A phase failed; the message is the one-line reason."""
 
 
 def _ts() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-class Deployer:
+class Deployer(ReleaseSteps):
     def __init__(self, run_dir: str | Path, code: str, via: Sequence[str], dry_run: bool = False, as_json: bool = False,
                  health_steps: int = 3, health_timeout: float = 300.0, min_speed: float = 0.5,
                  stop_timeout: float = 120.0, out=None) -> None:
@@ -213,7 +170,7 @@ class Deployer:
                 if pr and pr.get("removed"):
                     self.line("prune", f"removed {', '.join(pr['removed'])}")
             if self.locked:
-                self.cleanup("unlock", f"{self.run_dir}/releases/.deploy.lock is still held: other deploys of this "
+                self.cleanup("unlock", f"{self._releases() / LOCK_FILE} is still held: other deploys of this "
                                        "run dir are refused until it is removed by hand (or 6 h pass)", owner=self.owner)
         self.report["exit_code"] = rc
         self.report["seconds"] = round(time.monotonic() - self._t0, 3)
@@ -263,7 +220,7 @@ class Deployer:
         # ---- 1. release + preflight
         t0 = time.monotonic()
         self.release_id, meta = self._materialize()
-        self.rel_dir = f"{self.run_dir}/releases/{self.release_id}"
+        self.rel_dir = str(rundir.RunDir(self.run_dir).release(self.release_id))
         self.report["release"] = self.release_id
         self.phase("release", True, f"{self.code} -> {self.rel_dir}", t0, **meta)
         t0 = time.monotonic()
@@ -355,76 +312,9 @@ class Deployer:
             return 0.0
         return float(b) * self.min_speed
 
-    def _materialize(self) -> tuple[str, dict]:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        src = Path(self.code).expanduser()
-        if src.is_dir():
-            pkg = _find_package(src)
-            digest = _tree_hash(pkg)
-            rid = _unique_id(f"{stamp}-{digest[:10]}", self.info)
-            dest = f"{self.run_dir}/releases/{rid}/src/dflash_train"
-            try:
-                self.t.copy_dir(pkg, dest, excludes=CODE_EXCLUDES)
-            except TransportError as e:
-                raise DeployError(f"copying {pkg} to the job's host failed: {e}") from None
-            meta = {"source": str(pkg.resolve()), "kind": "dir", "code_version": f"tree-{digest[:12]}"}
-        else:
-            repo = _git_toplevel(Path.cwd())
-            if repo is None:
-                raise DeployError(f"--code {self.code!r}: not a directory, and {Path.cwd()} is not in a git repository")
-            r = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{self.code}^{{commit}}"],
-                               capture_output=True, text=True)
-            if r.returncode != 0:
-                raise DeployError(f"--code {self.code!r}: neither a directory nor a git ref of {repo}")
-            commit = r.stdout.strip()
-            rid = _unique_id(f"{stamp}-{commit[:10]}", self.info)
-            dest = f"{self.run_dir}/releases/{rid}"
-            try:
-                self.t.send_tar(["git", "-C", str(repo), "archive", "--format=tar", commit, "src/dflash_train"], dest)
-            except TransportError as e:
-                raise DeployError(f"git archive {commit[:12]} to the job's host failed: {e}") from None
-            meta = {"source": f"git:{repo}@{self.code}", "kind": "git", "code_version": commit[:12], "commit": commit}
-        meta["deployed_by"] = self.owner
-        meta["command"] = self._command(rid, None)
-        res = self.agent("write-release", id=rid, meta=meta)
-        if not res.get("ok"):
-            raise DeployError(res.get("error", "release write failed"))
-        return rid, meta
-
-    def _release_env(self, release_id: str) -> dict[str, str]:
-        env = dict(self.job.get("env") or {})
-        base = [p for p in (env.get("PYTHONPATH") or "").split(os.pathsep)
-                if p and not p.startswith(f"{self.run_dir}/releases/")]
-        env["PYTHONPATH"] = os.pathsep.join([f"{self.run_dir}/releases/{release_id}/src"] + base)
-        return env
-
-    def _train_argv(self, resume: str | None) -> list[str]:
-        args: list[str] = []
-        skip = False
-        for a in self.train_args:
-            if skip:
-                skip = False
-                continue
-            if a == "--resume":
-                skip = True
-                continue
-            if a.startswith("--resume="):
-                continue
-            args.append(a)
-        if resume:
-            args += ["--resume", resume]
-        return [self.python, "-m", "dflash_train.cli"] + args
-
-    def _command(self, release_id: str, resume: str | None) -> dict:
-        env = self._release_env(release_id)
-        argv = self._train_argv(resume)
-        shell = f"cd {shlex.quote(self.cwd)} && env " + " ".join(
-            shlex.quote(f"{k}={v}") for k, v in sorted(env.items())) + " " + shlex.join(argv)
-        return {"python": self.python, "argv": argv, "cwd": self.cwd, "env": env, "shell": shell}
-
     def _preflight(self, release_id: str) -> dict:
         env = self._release_env(release_id)
-        argv = [self.python, "-", "--release-src", f"{self.run_dir}/releases/{release_id}/src", "--run-dir", self.run_dir,
+        argv = [self.python, "-", "--release-src", self._release_src(release_id), "--run-dir", self.run_dir,
                 "--train-args", json.dumps(self._train_argv(None)[4:])]
         try:
             cp = self.t.run(argv, timeout=900, input=PREFLIGHT_SRC, env=env, cwd=self.cwd)
@@ -436,46 +326,12 @@ class Deployer:
                                              "detail": f"no verdict (exit {cp.returncode}): {(cp.stderr or cp.stdout).strip()[-800:]}"}]}
         return res
 
-    def _drop_release(self) -> None:
-        self.cleanup("remove-release", f"{self.run_dir}/releases/{self.release_id} is left on disk (remove it by hand)",
-                     id=self.release_id)
-
-    def _ensure_running_release(self) -> str:
-        """Id of the release the running job runs; recorded (snapshot) if unknown."""
-        rels = self.info.get("releases") or {}
-        cur = rels.get("current")
-        pp = (self.job.get("env") or {}).get("PYTHONPATH", "")
-        first = pp.split(os.pathsep)[0] if pp else ""
-        if cur and first == f"{self.run_dir}/releases/{cur}/src":
-            return cur
-        t0 = time.monotonic()
-        rid = "initial" if "initial" not in (rels.get("list") or []) else _unique_id(
-            "running-" + datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ"), self.info)
-        original = {
-            "python": self.python, "argv": self.record.get("argv"), "cmdline": self.job.get("cmdline"),
-            "cwd": self.cwd, "env": self.job.get("env"), "code_version": self.record.get("code_version"),
-            "shell": f"cd {shlex.quote(self.cwd)} && "
-                     + (f"env {shlex.quote('PYTHONPATH=' + pp)} " if pp else "")
-                     + shlex.join(self.job.get("cmdline") or []),
-        }
-        meta = {"kind": "running", "code_version": self.record.get("code_version"), "original_command": original,
-                "command": self._command(rid, None)}
-        res = self.agent("record-running", _timeout=300, id=rid, python=self.python, cwd=self.cwd,
-                         env=self.job.get("env") or {}, meta=meta)
-        if not res.get("ok"):
-            raise DeployError(f"could not record the running code as release {rid}: {res.get('error')}")
-        sw = self.agent("switch", id=rid)
-        if not sw.get("ok"):
-            raise DeployError(f"could not point releases/current at {rid}: {sw.get('error')}")
-        self.phase("record", True, f"running code ({res.get('package')}, {self.record.get('code_version')}) "
-                   f"recorded as release {rid}; original command: {original['shell']}", t0)
-        return rid
-
     def _start(self, release_id: str, phase: str) -> tuple[int, float | None]:
         t0 = time.monotonic()
-        ck = f"{self.run_dir}/checkpoints/step-{self.stop_ckpt_step:08d}" if self.stop_ckpt_step is not None else None
+        rd = rundir.RunDir(self.run_dir)
+        ck = str(rd.checkpoint(self.stop_ckpt_step)) if self.stop_ckpt_step is not None else None
         cmd = self._command(release_id, ck)
-        log = f"{self.run_dir}/logs/deploy-{release_id}.log"
+        log = str(rd.deploy_log(release_id))
         offs = self.agent("log-offsets", log=log)
         self._log_offsets = offs.get("offsets") or {}
         self._log = log
@@ -547,36 +403,6 @@ class Deployer:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _find_package(src: Path) -> Path:
-    for cand in (src / "src" / "dflash_train", src / "dflash_train", src):
-        if (cand / "__init__.py").is_file() and cand.name == "dflash_train":
-            return cand
-    raise DeployError(f"--code {src}: no dflash_train package in it (looked for src/dflash_train, dflash_train, or the dir itself)")
-
-
-def _tree_hash(pkg: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(pkg.rglob("*")):
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".pyc", ".pyo"):
-            h.update(p.relative_to(pkg).as_posix().encode() + b"\0")
-            h.update(p.read_bytes())
-    return h.hexdigest()
-
-
-def _unique_id(base: str, info: dict) -> str:
-    existing = set((info.get("releases") or {}).get("list") or [])
-    rid, n = base, 1
-    while rid in existing:
-        n += 1
-        rid = f"{base}-{n}"
-    return rid
-
-
-def _git_toplevel(path: Path) -> Path | None:
-    r = subprocess.run(["git", "-C", str(path), "rev-parse", "--show-toplevel"], capture_output=True, text=True)
-    return Path(r.stdout.strip()) if r.returncode == 0 else None
 
 
 def deploy_command(run_dir: Path, code: str, via: list[str], dry_run: bool, as_json: bool, health_steps: int,

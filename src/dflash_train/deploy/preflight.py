@@ -154,7 +154,7 @@ def check_config(v: Verdict, run_dir: Path, train_args: list[str] | None = None)
     line (what the restart will resolve, in this cwd) must give the same config."""
     from dflash_train.config import load_config
 
-    path = run_dir / "config.yaml"
+    path = rundir.RunDir(run_dir).config
     if not path.is_file():
         v.add("config", False, f"{path} missing (the trainer writes it at start)")
         return None
@@ -228,7 +228,7 @@ def snapshot_checkpoint(run_dir: Path, explicit: str | None, scratch: Path, trie
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
         try:
-            for name in ("manifest.json", "model.safetensors"):
+            for name in (rundir.MANIFEST_FILE, rundir.MODEL_FILE):
                 try:
                     os.link(ckpt / name, scratch / name)
                 except OSError as e:
@@ -263,10 +263,10 @@ def _check_checkpoint(v: Verdict, name: str, ckpt: Path) -> bool:
     try:
         man = rundir.read_manifest(ckpt)
     except rundir.CheckpointError as e:
-        return v.add("checkpoint", False, f"{name}/manifest.json unreadable: {e}")
+        return v.add("checkpoint", False, f"{name}/{rundir.MANIFEST_FILE} unreadable: {e}")
     dcfg_dict = (man.get("meta") or {}).get("drafter_config")
     if not isinstance(dcfg_dict, dict):
-        return v.add("checkpoint", False, f"{name}/manifest.json has no meta.drafter_config: cannot build the drafter to check it")
+        return v.add("checkpoint", False, f"{name}/{rundir.MANIFEST_FILE} has no meta.drafter_config: cannot build the drafter to check it")
     try:
         import torch
         from safetensors import safe_open
@@ -285,7 +285,7 @@ def _check_checkpoint(v: Verdict, name: str, ckpt: Path) -> bool:
     except BaseException as e:  # noqa: BLE001
         return v.add("checkpoint", False, f"the new DFlashDrafter cannot be built from the checkpoint's config: {_short_exc(e)}")
     want = {k: tuple(t.shape) for k, t in model.state_dict().items()}
-    mf = ckpt / "model.safetensors"
+    mf = ckpt / rundir.MODEL_FILE
     try:
         with safe_open(str(mf), framework="pt") as f:
             have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -302,14 +302,14 @@ def _check_checkpoint(v: Verdict, name: str, ckpt: Path) -> bool:
             parts.append(f"not in the new drafter {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
         if shapes:
             parts.append(f"shape mismatch {shapes[:4]}")
-        return v.add("checkpoint", False, f"{name}/model.safetensors does not load strictly into the new drafter: " + "; ".join(parts))
+        return v.add("checkpoint", False, f"{name}/{rundir.MODEL_FILE} does not load strictly into the new drafter: " + "; ".join(parts))
     try:
         from safetensors.torch import load_file
 
         tensors = load_file(str(mf), device="cpu")
         model.load_state_dict(tensors, strict=True, assign=True)
     except BaseException as e:  # noqa: BLE001
-        return v.add("checkpoint", False, f"strict load_state_dict of {name}/model.safetensors failed: {_short_exc(e)}")
+        return v.add("checkpoint", False, f"strict load_state_dict of {name}/{rundir.MODEL_FILE} failed: {_short_exc(e)}")
     return v.add("checkpoint", True, f"{name}: {len(want)} tensors load strictly into the new drafter", step=man.get("step"))
 
 
