@@ -2,7 +2,7 @@
 
 Usage from the train loop::
 
-    mgr = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+    mgr = CheckpointManager(RunDir(run_dir).checkpoints, keep_last=cfg.checkpoint.keep_last,
                             async_save=cfg.checkpoint.async_save, log=log)
     ...
     mgr.save(step, drafter.state_dict(),
@@ -20,10 +20,9 @@ daemon background thread (or inline when async_save=False); only one write is
 in flight: `save` first waits for the previous one. A write that failed is
 re-raised as CheckpointError by the next `save` or `wait`.
 
-`objects` must be "plain": dict / list / tuple / set of str, int, float, bool,
-None, bytes, torch.Tensor, torch.dtype, torch.device, torch.Size (numpy scalars
-are converted to Python numbers). Anything else raises TypeError at `save` time
-naming the key path, because state.pt is loaded with torch.load(weights_only=True).
+`objects` must be "plain" (checkpoint/snapshot.py): anything else raises TypeError
+at `save` time naming the key path, because state.pt is loaded with
+torch.load(weights_only=True).
 Optimizer/scheduler ``state_dict()``s and `capture_rng_state()` are plain.
 
 Commit protocol: write into ``.tmp-step-NNNNNNNN-<rand>/`` -> fsync each file ->
@@ -65,13 +64,13 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from dflash_train.checkpoint.aside import aside_path, move_into, repair_links
+from dflash_train.checkpoint.snapshot import snapshot_obj, snapshot_tensors
 from dflash_train.rundir import (
     BEST,
     FORMAT_VERSION,
@@ -85,6 +84,7 @@ from dflash_train.rundir import (
     fsync_dir,
     fsync_path,
     list_checkpoints,
+    now_iso,
     parse_step,
     read_link,
     set_link,
@@ -92,7 +92,7 @@ from dflash_train.rundir import (
     step_dir_name,
     verify_checkpoint,
 )
-from dflash_train.utils import save_safetensors
+from dflash_train.utils import code_version, save_safetensors
 
 Log = Callable[[str], None]
 
@@ -112,56 +112,6 @@ class SaveStats:
 
 class _Abandoned(Exception):
     pass
-
-
-_PLAIN_LEAVES = (str, int, float, bool, bytes, complex, type(None), torch.dtype, torch.device, torch.Size)
-
-
-def _snapshot_obj(obj: Any, where: str) -> Any:
-    """Deep copy of a plain object tree, tensors detached and cloned to CPU."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, _PLAIN_LEAVES):
-        return obj
-    if isinstance(obj, dict):
-        items = {k: _snapshot_obj(v, f"{where}[{k!r}]") for k, v in obj.items()}
-        return type(obj)(items) if type(obj) is not dict and _rebuildable(obj) else items
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        vals = [_snapshot_obj(v, f"{where}[{i}]") for i, v in enumerate(obj)]
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            raise TypeError(f"checkpoint object {where}: namedtuple {type(obj).__name__} is not loadable with weights_only; use a dict")
-        return type(obj)(vals) if type(obj) in (list, tuple, set, frozenset) else list(vals)
-    try:
-        import numpy as np
-
-        if isinstance(obj, np.generic):
-            return obj.item()
-    except ImportError:  # pragma: no cover
-        pass
-    raise TypeError(
-        f"checkpoint object {where} has type {type(obj).__module__}.{type(obj).__qualname__}; "
-        "state.pt only holds plain data (dict/list/tuple of str/int/float/bool/None/tensor) "
-        "so that it loads with torch.load(weights_only=True)"
-    )
-
-
-def _rebuildable(obj: dict) -> bool:
-    from collections import OrderedDict
-
-    return type(obj) is OrderedDict
-
-
-def _snapshot_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"checkpoint tensor {k!r} is a {type(t).__name__}, not a torch.Tensor")
-        out[k] = t.detach().to("cpu", copy=True).contiguous()
-    return out
-
-
-def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _stderr_log(msg: str) -> None:
@@ -248,8 +198,8 @@ class CheckpointManager:
             raise CheckpointError("checkpoint manager was abandoned; no further saves")
         self.wait()
         t0 = time.perf_counter()
-        snap_t = _snapshot_tensors(tensors)
-        snap_o = _snapshot_obj(dict(objects or {}), "objects")
+        snap_t = snapshot_tensors(tensors)
+        snap_o = snapshot_obj(dict(objects or {}), "objects")
         meta = json.loads(json.dumps(meta or {}))  # deep copy + proves it is JSON-serialisable
         if any(t.is_cuda for t in tensors.values()) and torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -357,7 +307,7 @@ class CheckpointManager:
             "step": step,
             "code_version": meta.get("code_version") or self._get_code_version(),
             "config_hash": meta.get("config_hash"),
-            "created_at": _now_iso(),
+            "created_at": now_iso(),
             "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for k, t in tensors.items()},
             "files": files,
             "meta": meta,
@@ -403,8 +353,6 @@ class CheckpointManager:
 
     def _get_code_version(self) -> str:
         if self._code_version is None:
-            from dflash_train.utils import code_version
-
             self._code_version = code_version()
         return self._code_version
 

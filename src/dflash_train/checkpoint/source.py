@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from dflash_train.config import run_config_data
 from dflash_train.errors import UserError
+from dflash_train.model.drafter import DrafterConfig
 from dflash_train.rundir import (
     BEST,
     CHECKPOINTS_DIR,
@@ -21,6 +23,7 @@ from dflash_train.rundir import (
     find_resumable,
     read_link,
     read_manifest,
+    run_dir_of_checkpoint,
     verify_checkpoint,
 )
 
@@ -55,31 +58,16 @@ class DrafterSource:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _run_dir_of(ckpt: Path) -> Path | None:
-    """RUN_DIR for RUN_DIR/checkpoints/step-N (None if the layout differs)."""
-    ckpt = Path(ckpt).resolve()
-    if ckpt.parent.name == CHECKPOINTS_DIR:
-        return ckpt.parent.parent
-    return None
-
-
 def _target_path_from_run(run_dir: Path | None) -> str | None:
-    if run_dir is None or not (run_dir / "config.yaml").is_file():
-        return None
-    import yaml
-
-    try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-        return (data.get("target") or {}).get("path")
-    except (OSError, yaml.YAMLError, AttributeError):  # provenance only: a damaged config.yaml names no target
-        return None
+    """Provenance only: a damaged config.yaml names no target."""
+    data = run_config_data(run_dir) or {}
+    target = data.get("target")
+    return target.get("path") if isinstance(target, dict) else None
 
 
 def load_checkpoint_source(ckpt: Path) -> DrafterSource:
     """The drafter of one checkpoint dir, verified (sha256) first."""
     from safetensors.torch import load_file
-
-    from dflash_train.model.drafter import DrafterConfig
 
     try:
         problems = verify_checkpoint(ckpt, check_hashes=True)
@@ -100,7 +88,7 @@ def load_checkpoint_source(ckpt: Path) -> DrafterSource:
         sd = load_file(str(ckpt / MODEL_FILE))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types: name the file
         raise UserError(f"{ckpt / MODEL_FILE}: cannot load: {e}") from None
-    run_dir = _run_dir_of(ckpt)
+    run_dir = run_dir_of_checkpoint(ckpt)
     target = meta.get("target_path") or _target_path_from_run(run_dir)
     step = man.get("step", meta.get("step"))
     return DrafterSource(
