@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dflash_train.rundir import RunDir, atomic_write_text
+
 # targets shipped in PyPI packages (targets/gguf.py finds their files). The default is the instruct
 # model: vLLM serves DFlash drafters for Llama targets, not for Gemma 3 (no auxiliary hidden states)
 SMOLLM2_135M_INSTRUCT = "embedded:smollm2-135m-instruct"
@@ -364,14 +366,31 @@ def validate_config(data: dict[str, Any], origin: str = "config") -> RunConfig:
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
-    from dflash_train.rundir import atomic_write_text
-
     atomic_write_text(Path(path), cfg.to_yaml())
 
 
 # --------------------------------------------------------------------------- run dir / resume
 
-RUN_CONFIG_FILE = "config.yaml"
+def read_run_config(run_dir: str | Path | None, overrides: list[str] | None = None) -> RunConfig | None:
+    """THE reader of a run's own RUN_DIR/config.yaml (validated, overrides on top); None when the
+    run dir has none. ConfigError when it does not validate."""
+    own = RunDir(run_dir).config if run_dir is not None else None
+    if own is None or not own.is_file():
+        return None
+    return load_config(own, overrides)
+
+
+def run_config_data(run_dir: str | Path | None) -> dict[str, Any] | None:
+    """RUN_DIR/config.yaml as plain data, not validated (provenance of an old run: a damaged or
+    older-schema file reads as None or as what it holds)."""
+    own = RunDir(run_dir).config if run_dir is not None else None
+    if own is None or not own.is_file():
+        return None
+    try:
+        data = yaml.safe_load(own.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return data if isinstance(data, dict) else None
 
 # THE resume rule (README "Resuming", docs/architecture.md "Resume rule"). When a run
 # resumes from a checkpoint, every key of the resolved config is compared with the
@@ -449,8 +468,8 @@ def load_run_config(path: str | Path | None, overrides: list[str] | None,
         cfg = load_config(path, overrides)
         run_dir = Path("runs") / cfg.name
     run_dir = Path(run_dir)
-    own = run_dir / RUN_CONFIG_FILE
-    if path is None and own.is_file():
-        return load_config(own, overrides), run_dir, f"{own} (the run's own config)" + (" + overrides" if overrides else "")
+    own = read_run_config(run_dir, overrides) if path is None else None
+    if own is not None:
+        return own, run_dir, f"{RunDir(run_dir).config} (the run's own config)" + (" + overrides" if overrides else "")
     origin = str(path) if path is not None else "built-in defaults"
     return load_config(path, overrides), run_dir, origin + (" + overrides" if overrides else "")

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train import rundir
+from dflash_train.model.dflash2 import SERVING_NOTE
+from dflash_train.serving_check import embedding_scale_warning, launch_commands
 
 
 EXPLANATION = [
@@ -207,7 +209,7 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     for key, cap in captions.items():
         if key in plots:
             lines += [f"### {cap}", "", f"![{cap}](plots/{plots[key]})", ""]
-    path = run_dir / "report.md"
+    path = rundir.RunDir(run_dir).report
     path.write_text("\n".join(lines))
     return path
 
@@ -292,7 +294,6 @@ def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str)
     ]
     if summary.get("tau_untrained") is not None:
         lines.append(f"- tau of an untrained drafter of the same shape: {_card_num(summary['tau_untrained'], '.3f')}")
-    from dflash_train.serving_check import embedding_scale_warning, launch_commands
 
     warning = embedding_scale_warning(float(cfg.input_embedding_scale))
     if warning:
@@ -305,7 +306,6 @@ def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str)
                   "masks only, at the lower masks-only acceptance (`tau_unseeded` in `dflash-train eval --json`)."]
     reference_class = "DFlashDraftModel"
     if getattr(cfg, "architecture", "dflash") == "dflash2":
-        from dflash_train.model.dflash2 import SERVING_NOTE
 
         reference_class = "DFlash2DraftModel"
         lines += ["", "## DFlash 2", "", *SERVING_NOTE]

@@ -1,14 +1,13 @@
 """Small shared helpers: safetensors with the usual permissions, code version, device choice.
-(Atomic writes live in rundir.py, the run-directory protocol.)"""
+(Atomic writes and the hashing of files live in rundir/, the run-directory protocol.)"""
 from __future__ import annotations
 
-import hashlib
 import subprocess
 from pathlib import Path
 
 import torch
 
-from dflash_train.rundir import apply_default_mode
+from dflash_train.rundir import apply_default_mode, sha256_tree
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -36,11 +35,7 @@ def code_version() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    h = hashlib.sha256()
-    for p in sorted(PACKAGE_DIR.rglob("*.py")):
-        h.update(p.relative_to(PACKAGE_DIR).as_posix().encode())
-        h.update(p.read_bytes())
-    return "pkg-" + h.hexdigest()[:12]
+    return "pkg-" + sha256_tree(PACKAGE_DIR, sorted(PACKAGE_DIR.rglob("*.py")))[:12]
 
 
 def resolve_device(choice: str) -> torch.device:

@@ -188,11 +188,9 @@ def evaluate_tau(
 
 
 def _run_config(run_dir: Path | None):
-    if run_dir is None or not (run_dir / "config.yaml").is_file():
-        return None
-    from dflash_train.config import load_config
+    from dflash_train.config import read_run_config
 
-    return load_config(run_dir / "config.yaml")
+    return read_run_config(run_dir)
 
 
 def _heldout_from_run(run_cfg, target, num_prompts: int) -> list[str]:

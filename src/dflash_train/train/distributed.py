@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.config import ConfigError
+from dflash_train.utils import resolve_device
 
 log = logging.getLogger("dflash_train")
 
@@ -92,7 +93,6 @@ class DistContext:
         return default
 
     def target_device(self, trainer_device: torch.device) -> torch.device:
-        from dflash_train.utils import resolve_device
 
         if self.distributed:
             return trainer_device  # each rank uses its own GPU (or the CPU)

@@ -11,22 +11,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash_train.rundir import RunDir, atomic_write_text
+
 log = logging.getLogger("dflash_train")
 
 
 def setup_logging(run_dir: Path, rank: int = 0, leader: bool = True) -> None:
     """Console + RUN_DIR/logs/train.log for the leading trainer; other ranks
     under torchrun log to RUN_DIR/logs/train.rankN.log only."""
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    name = "train.log" if leader else f"train.rank{rank}.log"
+    path = RunDir(run_dir).train_log(rank, leader)
+    path.parent.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger("dflash_train")
     root.setLevel(logging.INFO)
     for h in list(root.handlers):
         root.removeHandler(h)
         h.close()
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
-    fh = logging.FileHandler(logs / name)
+    fh = logging.FileHandler(path)
     fh.setFormatter(fmt)
     root.addHandler(fh)
     if leader:
@@ -72,7 +73,6 @@ def truncate_metrics(path: Path, last_step: int) -> int:
             keep.append(line)
         else:
             dropped += 1
-    from dflash_train.rundir import atomic_write_text
 
     atomic_write_text(path, "".join(l + "\n" for l in keep))
     return dropped
@@ -82,14 +82,14 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, max_steps: int, start_step: int, tensorboard: bool, progress: str,
                  enabled: bool = True) -> None:
         self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
+        self.path = RunDir(run_dir).metrics
         self._f = open(self.path, "a", buffering=1) if enabled else None
         self._tb = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(run_dir / "logs" / "tensorboard"), purge_step=start_step + 1)
+                self._tb = SummaryWriter(str(RunDir(run_dir).tensorboard), purge_step=start_step + 1)
             except Exception as e:  # noqa: BLE001 - TensorBoard is optional at run time
                 log.warning("TensorBoard disabled: %s", e)
         mode = progress

@@ -18,9 +18,9 @@ from dflash_train.checkpoint import (
     resolve_checkpoint_path,
     verify_checkpoint,
 )
-from dflash_train.config import ConfigError, RunConfig, check_resume_config, load_config
+from dflash_train.config import ConfigError, RunConfig, check_resume_config, read_run_config
 from dflash_train.errors import UserError
-from dflash_train.rundir import RunDirBusy, check_not_busy
+from dflash_train.rundir import RunDir, RunDirBusy, check_not_busy
 from dflash_train.targets import check_target_files
 
 log = logging.getLogger("dflash_train")
@@ -42,7 +42,8 @@ class ResumePlan:
 def check_run_dir(run_dir: Path) -> None:
     """The run dir (and what the trainer writes in it) is a writable directory; one line if not."""
     rd = run_dir
-    for p in (rd, rd / "checkpoints", rd / "logs"):
+    writes = RunDir(rd).writes()
+    for p in writes:
         if p.exists() and not p.is_dir():
             raise TrainError(f"--run-dir {rd}: {p} is a file, not a directory")
     base = rd
@@ -50,7 +51,7 @@ def check_run_dir(run_dir: Path) -> None:
         base = base.parent
     if not base.is_dir():
         raise TrainError(f"--run-dir {rd}: {base} is not a directory")
-    for p in (base, rd / "checkpoints", rd / "logs"):
+    for p in (base,) + writes[1:]:
         if p.is_dir() and not _writable(p):
             raise TrainError(f"--run-dir {rd}: {p} is not writable (read-only file system or permissions)")
 
@@ -125,7 +126,7 @@ def choose_checkpoint(run_dir: Path, resume_arg: str) -> Path | None:
     if resume_arg == "never":
         return None
     if resume_arg == "auto":
-        return find_resumable(run_dir / "checkpoints", log=log.warning)
+        return find_resumable(RunDir(run_dir).checkpoints, log=log.warning)
     given = Path(resume_arg)
     if not given.exists():
         raise TrainError(f"--resume {given}: no such checkpoint (give auto, never, or a checkpoint directory)")
@@ -150,9 +151,8 @@ def recorded_config(run_dir: Path, ckpt: Path) -> dict | None:
     cfg = (man.get("meta") or {}).get("config")
     if isinstance(cfg, dict):
         return cfg
-    own = run_dir / "config.yaml"
     try:
-        old = load_config(own) if own.is_file() else None
+        old = read_run_config(run_dir)
     except ConfigError:
         old = None
     if isinstance(old, RunConfig) and old.hash() == man.get("config_hash"):

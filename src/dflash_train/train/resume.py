@@ -11,6 +11,7 @@ from dflash_train.checkpoint.aside import set_aside_for_fresh_start, set_aside_n
 from dflash_train.config import LR_SCHEDULE_KEYS, config_changes
 from dflash_train.model.dflash2 import architecture_mismatch
 from dflash_train.model.drafter import SERVING_ONLY_FIELDS
+from dflash_train.rundir import RunDir
 from dflash_train.train.metrics import truncate_metrics
 from dflash_train.train.schedule import lr_factor
 
@@ -66,7 +67,8 @@ def settle_timeline(run_dir: Path, resumed_from: Path, step: int) -> None:
     """The choice of checkpoint is on disk before training: newer ones (an abandoned timeline,
     or ones that do not verify) are moved aside now, not at the first save; metrics.jsonl
     loses the lines logged after `step` (they are produced again)."""
-    set_aside_newer(run_dir / "checkpoints", resumed_from, step, log.warning, run_dir / "metrics.jsonl")
-    dropped = truncate_metrics(run_dir / "metrics.jsonl", step)
+    rd = RunDir(run_dir)
+    set_aside_newer(rd.checkpoints, resumed_from, step, log.warning, rd.metrics)
+    dropped = truncate_metrics(rd.metrics, step)
     if dropped:
         log.info("metrics.jsonl: dropped %d lines logged after step %d (they are produced again)", dropped, step)

@@ -32,7 +32,7 @@ from dflash_train.model.dflash2 import build_drafter
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.pipeline.remote import load_trainer_target, serve_target_rank, trainer_pipeline
 from dflash_train.pipeline.training_data import open_training_data
-from dflash_train.rundir import RunDirBusy, RunRecord
+from dflash_train.rundir import RunDir, RunDirBusy, RunRecord, step_dir_name
 from dflash_train.train.distributed import DistContext
 from dflash_train.train.eval_hook import InTrainingEval
 from dflash_train.train.interval import IntervalMeter
@@ -114,7 +114,7 @@ class Trainer:
     def _setup_logging(self) -> None:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "checkpoints").mkdir(exist_ok=True)
+            RunDir(self.run_dir).checkpoints.mkdir(exist_ok=True)
             setup_logging(self.run_dir, self.ctx.rank, self.is_leader)
         except OSError as e:
             raise TrainError(f"--run-dir {self.run_dir}: cannot write there: {e.strerror or e} "
@@ -130,7 +130,7 @@ class Trainer:
                 self.record.acquire(argv=self.argv, code_version=code_version(), config_hash=self.cfg.hash())
             except RunDirBusy as e:
                 raise TrainError(str(e)) from None
-            save_config(self.cfg, self.run_dir / "config.yaml")
+            save_config(self.cfg, RunDir(self.run_dir).config)
         log.info("run dir %s, code %s, config %s", self.run_dir, code_version(), self.cfg.hash())
 
     def _load_target(self, tokenizer):
@@ -256,7 +256,7 @@ class Trainer:
             self._resume()
             if self.is_leader:
                 self.ckpt = CheckpointManager(
-                    self.run_dir / "checkpoints", keep_last=self.cfg.checkpoint.keep_last,
+                    RunDir(self.run_dir).checkpoints, keep_last=self.cfg.checkpoint.keep_last,
                     async_save=self.cfg.checkpoint.async_save, log=log.info,
                     on_commit=self._on_commit,
                 )
@@ -290,7 +290,7 @@ class Trainer:
 
     def _last_ckpt_name(self) -> str | None:
         step = getattr(self.ckpt, "last_committed_step", None) if self.ckpt else None
-        return f"step-{step:08d}" if step is not None else None
+        return step_dir_name(step) if step is not None else None
 
     def _save(self, reason: str) -> None:
         tensors, objects, meta = self._checkpoint_payload()
