@@ -35,6 +35,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dflash_train.model.dflash2 import config_problems, export_shapes
+from dflash_train.model.rope import SUPPORTED_TYPES
+
 DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 ENGINES_WITHOUT_EMBED_SCALE = "SGLang (--speculative-algorithm DFLASH) and vLLM (method dflash)"
 
@@ -83,7 +86,6 @@ def expected_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                     p + "mlp.down_proj.weight": (H, I),
                     p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
     out.update({"fc.weight": (H, K * H), "hidden_norm.weight": (H,), "norm.weight": (H,)})
-    from dflash_train.model.dflash2 import export_shapes
 
     out.update(export_shapes(c))  # DFlash 2: convolutions and candidate selector
     return out
@@ -123,7 +125,6 @@ def check_config(c: dict[str, Any], target: dict[str, Any] | None) -> tuple[list
             P.append(f"{k} is {c.get(k)!r}, not a positive integer")
     if P:
         return P, W
-    from dflash_train.model.dflash2 import config_problems
 
     P += config_problems(c)
     if c["num_attention_heads"] % c["num_key_value_heads"]:
@@ -134,7 +135,6 @@ def check_config(c: dict[str, Any], target: dict[str, Any] | None) -> tuple[list
     if not isinstance(c.get("rms_norm_eps"), (int, float)):
         P.append("rms_norm_eps missing")
     rope = c.get("rope_parameters") or {}
-    from dflash_train.model.rope import SUPPORTED_TYPES
 
     if rope.get("rope_type", "default") not in SUPPORTED_TYPES:
         P.append(f"rope_parameters.rope_type {rope.get('rope_type')!r} is not one of {SUPPORTED_TYPES}")

@@ -46,7 +46,9 @@ from dflash_train.data.sources import (
     read_conversations,
     sharegpt_identity,
 )
+from dflash_train.data.augment import copy_task_documents
 from dflash_train.data.template import ChatFormat, TemplateMismatch
+from dflash_train.utils import save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +178,6 @@ def build_prepared(cfg, tokenizer, family: str | None,
             progress(i + 1, len(train))
     n_real = len(docs)
     if d.copy_task_docs:
-        from dflash_train.data.augment import copy_task_documents
 
         # prompts come from the original source (a regenerated file holds few of them)
         src_convs, _ = read_conversations(d.source, max(d.limit or 0, 4 * d.copy_task_docs))
@@ -223,7 +224,6 @@ def build_prepared(cfg, tokenizer, family: str | None,
 def save_prepared(data: PreparedData, out_dir: Path, inputs: dict[str, Any]) -> Path:
     """Write `data` to `out_dir` atomically (a temp dir renamed into place); files get
     the usual (umask-respecting) permissions, like every file a server may read."""
-    from dflash_train.utils import save_safetensors
 
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)

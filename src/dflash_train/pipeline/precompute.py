@@ -33,6 +33,11 @@ from safetensors import safe_open
 from dflash_train.errors import UserError
 from dflash_train.pipeline.batch import TrainBatch
 from dflash_train.rundir import atomic_write_json, sha256_file
+from dflash_train.data import load_prepared
+from dflash_train.data.sources import Conversation
+from dflash_train.model.drafter import DrafterConfig
+from dflash_train.model.objectives import Objective, capture_layer_ids
+from dflash_train.targets import load_target
 from dflash_train.utils import save_safetensors
 
 log = logging.getLogger("dflash_train")
@@ -46,9 +51,6 @@ class PrecomputeError(UserError):
 
 def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard: int = 256,
                         progress=None) -> Path:
-    from dflash_train.data import load_prepared
-    from dflash_train.model.drafter import DrafterConfig
-    from dflash_train.targets import load_target
 
     if dtype not in DTYPES:
         raise PrecomputeError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
@@ -57,7 +59,6 @@ def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard:
         raise PrecomputeError(f"{out} already holds precomputed features (index.json); choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target)
-    from dflash_train.model.objectives import Objective, capture_layer_ids
 
     # the drafter's layers, plus (for train.loss distill / lk_*) the final hidden state: layer id
     # == the target's layer count, H more channels per token (see docs/architecture.md)
@@ -150,7 +151,6 @@ class PrecomputedFeatures:
         return list(self.index["layer_ids"])
 
     def heldout(self):
-        from dflash_train.data.sources import Conversation
 
         return [Conversation.from_json(c) for c in self.index.get("heldout", [])]
 
