@@ -375,22 +375,8 @@ def read_run_config(run_dir: str | Path | None, overrides: list[str] | None = No
     """THE reader of a run's own RUN_DIR/config.yaml (validated, overrides on top); None when the
     run dir has none. ConfigError when it does not validate."""
     own = RunDir(run_dir).config if run_dir is not None else None
-    if own is None or not own.is_file():
-        return None
-    return load_config(own, overrides)
+    return load_config(own, overrides) if own is not None and own.is_file() else None
 
-
-def run_config_data(run_dir: str | Path | None) -> dict[str, Any] | None:
-    """RUN_DIR/config.yaml as plain data, not validated (provenance of an old run: a damaged or
-    older-schema file reads as None or as what it holds)."""
-    own = RunDir(run_dir).config if run_dir is not None else None
-    if own is None or not own.is_file():
-        return None
-    try:
-        data = yaml.safe_load(own.read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    return data if isinstance(data, dict) else None
 
 # THE resume rule (README "Resuming", docs/architecture.md "Resume rule"). When a run
 # resumes from a checkpoint, every key of the resolved config is compared with the

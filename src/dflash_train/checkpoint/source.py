@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.config import run_config_data
+from dflash_train.config import ConfigError, read_run_config
 from dflash_train.errors import UserError
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.rundir import (
@@ -60,9 +60,11 @@ class DrafterSource:
 
 def _target_path_from_run(run_dir: Path | None) -> str | None:
     """Provenance only: a damaged config.yaml names no target."""
-    data = run_config_data(run_dir) or {}
-    target = data.get("target")
-    return target.get("path") if isinstance(target, dict) else None
+    try:
+        cfg = read_run_config(run_dir)
+    except (ConfigError, OSError):
+        return None
+    return cfg.target.path if cfg is not None else None
 
 
 def load_checkpoint_source(ckpt: Path) -> DrafterSource:
