@@ -189,7 +189,7 @@ def stop_run(
     res = stop_and_confirm(run_dir, pid, rec.get("create_time"), sig, timeout, force=force, poll_s=poll_s,
                            on_wait=note, on_sent=sent)
     if res.refused:
-        hint = {True: f"; last checkpoint: {last or 'none'}"}.get(res.already_exited, "")
+        hint = f"; last checkpoint: {last or 'none'}" if res.already_exited else ""
         if "permission" in res.refused:
             hint = " (run stop as the trainer's user or root)"
         return StopResult(STOP_REFUSED, f"refusing to stop: {res.refused}{hint}", pid=pid)
