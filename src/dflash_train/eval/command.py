@@ -26,7 +26,8 @@ import torch
 
 from dflash_train.eval.ngram import ngram_generate
 from dflash_train.eval.replay import replay_acceptance
-from dflash_train.eval.prompts import encode_prompts, pick_eval_prompts, read_prompts_file
+from dflash_train.data.sources import DataError
+from dflash_train.eval.prompts import encode_prompts, eval_prompts, read_prompts_file
 from dflash_train.eval.specdec import acceptance_histogram, plain_generate, speculative_generate, tau_of
 
 
@@ -196,31 +197,15 @@ def _run_config(run_dir: Path | None):
 
 
 def _heldout_from_run(run_cfg, target, num_prompts: int) -> list[str]:
-    from dflash_train.data.sources import DataError, is_heldout
-
+    """`eval_prompts` of the run: the prompts the in-training eval, the demo and compare score."""
     if run_cfg is None:
         raise _err("--prompts heldout needs the run's config.yaml (give --drafter RUN_DIR or a checkpoint "
                    "inside one), or pass --prompts FILE.jsonl")
-    # held-out prompts come from the ORIGINAL source (a regenerated file holds the training
-    # conversations' rewritten answers, not the held-out split the run never trained on)
-    run_cfg = run_cfg.model_copy(deep=True)
-    run_cfg.data.regenerated = None
     d = run_cfg.data
     try:
-        if d.source.startswith("prepared:") and not d.regenerated:
-            from dflash_train.data.prepare import load_prepared
-
-            convs = load_prepared(run_cfg, target.tokenizer, target.family).heldout
-        else:
-            from dflash_train.data.prepare import read_source_conversations
-
-            convs = [c for c in read_source_conversations(run_cfg)[0] if is_heldout(c, d.heldout_fraction)]
+        prompts = eval_prompts(run_cfg, target, num_prompts)
     except DataError as e:
         raise _err(f"cannot read held-out conversations: {e}; pass --prompts FILE.jsonl") from None
-    # the same choice as the demo and the in-training eval: the first held-out prompts
-    # whose formatted form fits the row length the drafter trained at
-
-    prompts = pick_eval_prompts(convs, num_prompts, target, d.max_tokens)
     if not prompts:
         raise _err(f"the run's data ({d.source}, heldout_fraction={d.heldout_fraction}) has no held-out "
                    f"conversation whose prompt fits data.max_tokens={d.max_tokens}; pass --prompts FILE.jsonl")

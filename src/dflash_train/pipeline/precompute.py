@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dflash_train.data.sources import Conversation
 from dflash_train.errors import UserError
 from dflash_train.pipeline.batch import TrainBatch
 from dflash_train.rundir import atomic_write_json, sha256_file
@@ -37,6 +38,7 @@ from dflash_train.utils import save_safetensors
 
 log = logging.getLogger("dflash_train")
 FORMAT = 1
+PRECOMPUTED = "precomputed:"  # the data.source prefix of precomputed features
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -113,6 +115,17 @@ def precompute_command(cfg, out: Path, dtype: str, rows_per_shard: int) -> None:
                   f"{index['dtype']} -> {path}\ntrain from it with: data.source=precomputed:{path}")
 
 
+def read_precomputed_heldout(path: Path) -> list[Conversation]:
+    """The held-out conversations a precompute directory was made with (its index.json; the
+    shards are not read)."""
+    idx = Path(path) / "index.json"
+    try:
+        index = json.loads(idx.read_text())
+    except (OSError, ValueError) as e:
+        raise PrecomputeError(f"{idx}: cannot read the precomputed features' index: {e}") from None
+    return [Conversation.from_json(c) for c in index.get("heldout", [])]
+
+
 class PrecomputedFeatures:
     """Reads a precompute directory; verifies every shard's checksum on open."""
 
@@ -150,8 +163,6 @@ class PrecomputedFeatures:
         return list(self.index["layer_ids"])
 
     def heldout(self):
-        from dflash_train.data.sources import Conversation
-
         return [Conversation.from_json(c) for c in self.index.get("heldout", [])]
 
     def features(self, rows: list[int]) -> torch.Tensor:
