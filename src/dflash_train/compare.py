@@ -201,12 +201,12 @@ def training_answers(target, regenerated: str, n: int) -> list[tuple[list[int], 
 
 
 def ngram_tau(outputs, k: int) -> float:
-    from dflash_train.eval.ngram import propose
-    from dflash_train.eval.replay import walk_acceptance
+    from dflash_train.eval.ngram import PromptLookup
+    from dflash_train.model.acceptance import walk_acceptance
 
     acc: list[int] = []
     for seq, n in outputs:
-        acc += walk_acceptance(seq, n, lambda s, seq=seq: propose(seq[: s + 1], k))
+        acc += walk_acceptance(seq, n, PromptLookup(seq, k))
     return _mean(acc)
 
 

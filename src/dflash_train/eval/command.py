@@ -95,7 +95,7 @@ def evaluate_tau(
         stops = list(stop_token_ids)
     if not prompt_ids:
         raise _err("no prompts to evaluate")
-    cfg = getattr(drafter, "cfg", None) or getattr(drafter, "config")
+    cfg = drafter.cfg
     bs = int(cfg.block_size)
     device = target.device
     all_acc: list[int] = []
@@ -110,7 +110,7 @@ def evaluate_tau(
     match_ngram: bool | None = True if (do_ngram and measure_plain) else None
     mismatches_ngram: list[int] = []
     # a prompt-lookup-seeded drafter: also its tau from masks only, what SGLang / vLLM give it
-    seeded = getattr(cfg, "block_seeds", "none") != "none"
+    seeded = cfg.block_seeds != "none"
     unseeded_acc: list[int] | None = [] if (seeded and temperature <= 0) else None
     for i, ids in enumerate(prompt_ids):
         x = torch.tensor([list(ids)], dtype=torch.long, device=device)
@@ -180,7 +180,7 @@ def evaluate_tau(
         "steps_ngram": len(ngram_acc) if do_ngram else None,
         "new_tokens_ngram": n_ngram if do_ngram else None,
         "ngram_k": ngram_k if do_ngram else None,
-        "block_seeds": getattr(cfg, "block_seeds", "none"),
+        "block_seeds": cfg.block_seeds,
         "tau_unseeded": tau_of(unseeded_acc) if unseeded_acc is not None else None,
     }
 
