@@ -160,6 +160,17 @@ def test_in_training_eval_scores_the_final_evals_prompts(setup, tmp_path):
     assert hook.prompts == want == eval_prompts(rc, t) == C._heldout_from_run(rc, t, 3)
 
 
+def test_targets_implement_the_declared_target_interface(setup):
+    """targets.Target is a DecodingTarget (model/target.py); the tests' FakeTarget is a TargetHead."""
+    from test_model_fakes import FakeTarget
+
+    from dflash_train.model.target import CapturingTarget, DecodingTarget, TargetHead
+
+    assert isinstance(setup[0], DecodingTarget)
+    fake = FakeTarget()
+    assert isinstance(fake, TargetHead) and not isinstance(fake, CapturingTarget)
+
+
 def test_heldout_prompts_shapes():
     from dflash_train.data.sources import Conversation
 

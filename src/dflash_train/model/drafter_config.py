@@ -11,6 +11,7 @@ from typing import Any
 from dflash_train.model import masks as M
 from dflash_train.model import rope as R
 from dflash_train.model.lookup import BLOCK_SEEDS
+from dflash_train.model.target import TargetHead
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -135,8 +136,8 @@ class DrafterConfig:
         return cls(**{k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()})
 
     @classmethod
-    def from_target(cls, model_cfg, target) -> "DrafterConfig":
-        """ModelConfig + a target (see docs/architecture.md "Target interface"); None sizes -> the target's."""
+    def from_target(cls, model_cfg, target: TargetHead) -> "DrafterConfig":
+        """ModelConfig + a target (model/target.py `TargetHead`); None sizes -> the target's."""
         hf = target.hf_config
         H = int(target.hidden_size)
         num_heads = model_cfg.num_heads or int(getattr(hf, "num_attention_heads"))
@@ -158,10 +159,10 @@ class DrafterConfig:
             rope, note = R.select_rope(hf)
             if note:
                 logging.getLogger(__name__).warning("drafter RoPE: %s", note)
-        serving = getattr(target, "serving_dtype", None) or str(target.dtype).replace("torch.", "")
+        serving = target.serving_dtype or str(target.dtype).replace("torch.", "")
         return cls(
-            architecture=getattr(model_cfg, "architecture", "dflash"),
-            **{k: getattr(model_cfg, k, None) for k in DFLASH2_KEYS},
+            architecture=model_cfg.architecture,
+            **{k: getattr(model_cfg, k) for k in DFLASH2_KEYS},
             hidden_size=H,
             num_layers=model_cfg.num_layers,
             num_heads=int(num_heads),
@@ -184,5 +185,5 @@ class DrafterConfig:
             output_multiplier=float(target.output_multiplier),
             final_logit_softcapping=None if softcap is None else float(softcap),
             init_std=model_cfg.init_std,
-            block_seeds=getattr(model_cfg, "block_seeds", "none"),
+            block_seeds=model_cfg.block_seeds,
         )

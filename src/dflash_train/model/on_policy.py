@@ -57,7 +57,7 @@ def draft_everywhere(drafter, target, input_ids, document_ids, features, ok, voc
     block = torch.full((B, A, bs), int(core.cfg.mask_token_id), dtype=torch.long, device=input_ids.device)
     block[:, :, 0] = torch.gather(input_ids, 1, anchors)
     if seeded is None:
-        seeded = getattr(core.cfg, "block_seeds", "none") == "prompt_lookup"
+        seeded = core.cfg.block_seeds == "prompt_lookup"
     if seeded:
         block = seed_blocks(block, input_ids, document_ids, anchors)
     dtype = core.fc.weight.dtype
