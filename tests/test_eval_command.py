@@ -171,6 +171,22 @@ def test_targets_implement_the_declared_target_interface(setup):
     assert isinstance(fake, TargetHead) and not isinstance(fake, CapturingTarget)
 
 
+def test_eval_result_rows_join_one_table(setup):
+    """`evaluate_tau`'s result as `results.MethodRow`s: drafter, prompt lookup, plain; a row measured
+    in a serving engine is the same type and renders in the same columns."""
+    from dflash_train.results import MethodRow, cells, eval_rows
+
+    t, dr, *_ = setup
+    res = evaluate_tau(dr, t, ["Hello there"], 6)
+    rows = eval_rows(res, "DFlash drafter")
+    assert [r.method for r in rows] == ["DFlash drafter", "prompt lookup (k=3)", "plain decoding"]
+    assert rows[0].tau == res["tau"] and rows[0].lossless is True and rows[1].lossless is True
+    assert cells(rows[-1])[1:] == ["1.000", format(res["tokens_per_s_plain"], ".2f"), "1.00", "-"]
+    engine = MethodRow("vLLM dflash", 2.5, 120.0, 1.8, True, measured_by="vllm")
+    assert cells(engine) == ["vLLM dflash", "2.500", "120.00", "1.80", "yes"]
+    assert engine.to_dict()["measured_by"] == "vllm"
+
+
 def test_heldout_prompts_shapes():
     from dflash_train.data.sources import Conversation
 

@@ -97,8 +97,8 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
     t.add_column("tau", justify="right")
     t.add_column("tokens/s", justify="right")
     t.add_column("speedup vs plain", justify="right")
-    for name, tau, tps, speedup in comparison_rows(summary):
-        t.add_row(name, fmt_num(tau, ".3f"), fmt_num(tps, ".2f"), fmt_num(speedup, ".2f", "x"))
+    for r in comparison_rows(summary):
+        t.add_row(r.method, fmt_num(r.tau, ".3f"), fmt_num(r.tokens_per_s, ".2f"), fmt_num(r.speedup, ".2f", "x"))
     out.print(t)
     for line in explanation(summary):
         out.print(f"  {line}", markup=False)

@@ -29,6 +29,7 @@ from dflash_train.eval.replay import replay_acceptance
 from dflash_train.data.sources import DataError
 from dflash_train.eval.prompts import encode_prompts, eval_prompts, read_prompts_file
 from dflash_train.eval.specdec import acceptance_histogram, plain_generate, speculative_generate, tau_of
+from dflash_train.results import cells, eval_rows
 
 
 def _err(msg: str) -> Exception:
@@ -212,18 +213,6 @@ def _heldout_from_run(run_cfg, target, num_prompts: int) -> list[str]:
     return prompts
 
 
-def _num(v: Any, spec: str) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    return format(v, spec)
-
-
-def _match_text(match: bool | None, mismatched: Sequence[int] | None) -> str:
-    if match is None:
-        return "not checked"
-    return "yes" if match else f"NO (prompts {list(mismatched or [])})"
-
-
 def _print_table(res: dict[str, Any], title: str, drafter_label: str = "DFlash drafter") -> None:
     from rich.console import Console
     from rich.table import Table
@@ -235,18 +224,9 @@ def _print_table(res: dict[str, Any], title: str, drafter_label: str = "DFlash d
     t.add_column("tokens/s", justify="right")
     t.add_column("speedup", justify="right")
     t.add_column("same as plain", justify="right")
-    t.add_row(drafter_label, _num(res["tau"], ".3f"), _num(res["tokens_per_s_spec"], ".2f"),
-              _num(res["speedup"], ".2f"), _match_text(res["outputs_match"], res["mismatched_prompts"]))
+    for row in eval_rows(res, drafter_label):
+        t.add_row(*cells(row))
     ngram = res.get("tau_ngram") is not None
-    if ngram:
-        t.add_row(f"prompt lookup (k={res['ngram_k']})", _num(res["tau_ngram"], ".3f"),
-                  _num(res["tokens_per_s_ngram"], ".2f"), _num(res["speedup_ngram"], ".2f"),
-                  _match_text(res["outputs_match_ngram"], res["mismatched_prompts_ngram"]))
-    if res.get("tau_unseeded") is not None:
-        t.add_row("  same drafter, masks only (no lookup seeds: as SGLang / vLLM run it)",
-                  _num(res["tau_unseeded"], ".3f"), "-", "-", "-")
-    if res["tokens_per_s_plain"] is not None:
-        t.add_row("plain decoding", "1.000", _num(res["tokens_per_s_plain"], ".2f"), "1.00", "-")
     con.print(t)
     if not ngram and res.get("temperature", 0) > 0:
         con.print("prompt lookup (n-gram) baseline: greedy only, not measured at temperature > 0")
