@@ -24,17 +24,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dflash_train.eval.ngram import ngram_generate
-from dflash_train.eval.replay import replay_acceptance
+from dflash_train.config import TargetConfig, load_config
 from dflash_train.data.sources import DataError
+from dflash_train.errors import UserError
+from dflash_train.eval.ngram import ngram_generate
 from dflash_train.eval.prompts import encode_prompts, eval_prompts, read_prompts_file
+from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.specdec import acceptance_histogram, plain_generate, speculative_generate, tau_of
+from dflash_train.export import resolve_drafter_source
+from dflash_train.model.dflash2 import build_drafter
 from dflash_train.results import cells, eval_rows
+from dflash_train.targets import load_target
 
 
 def _err(msg: str) -> Exception:
-    from dflash_train.errors import UserError
-
     return UserError(msg)
 
 
@@ -192,7 +195,6 @@ def evaluate_tau(
 def _run_config(run_dir: Path | None):
     if run_dir is None or not (run_dir / "config.yaml").is_file():
         return None
-    from dflash_train.config import load_config
 
     return load_config(run_dir / "config.yaml")
 
@@ -266,11 +268,6 @@ def eval_command(
     as_json: bool,
 ) -> dict[str, Any]:
     """`dflash-train eval`: load drafter + target, run `evaluate_tau`, print a table or one JSON object."""
-    from dflash_train.config import TargetConfig
-    from dflash_train.export import resolve_drafter_source
-    from dflash_train.model.dflash2 import build_drafter
-    from dflash_train.targets import load_target
-
     if num_prompts < 1:
         raise _err("--num-prompts must be >= 1")
     if max_new_tokens < 1:

@@ -30,10 +30,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dflash_train.data import load_prepared
 from dflash_train.data.sources import Conversation
 from dflash_train.errors import UserError
+from dflash_train.model.drafter import DrafterConfig
+from dflash_train.model.objectives import Objective, capture_layer_ids
 from dflash_train.pipeline.batch import TrainBatch
 from dflash_train.rundir import atomic_write_json, sha256_file
+from dflash_train.targets import load_target
 from dflash_train.utils import save_safetensors
 
 log = logging.getLogger("dflash_train")
@@ -48,10 +52,6 @@ class PrecomputeError(UserError):
 
 def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard: int = 256,
                         progress=None) -> Path:
-    from dflash_train.data import load_prepared
-    from dflash_train.model.drafter import DrafterConfig
-    from dflash_train.targets import load_target
-
     if dtype not in DTYPES:
         raise PrecomputeError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     out = Path(out)
@@ -59,7 +59,6 @@ def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard:
         raise PrecomputeError(f"{out} already holds precomputed features (index.json); choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target)
-    from dflash_train.model.objectives import Objective, capture_layer_ids
 
     # the drafter's layers, plus (for train.loss distill / lk_*) the final hidden state: layer id
     # == the target's layer count, H more channels per token (see docs/architecture.md)
@@ -128,7 +127,6 @@ def read_precomputed_heldout(path: Path) -> list[Conversation]:
 
 class PrecomputedFeatures:
     """Reads a precompute directory; verifies every shard's checksum on open."""
-
     def __init__(self, path: Path, verify: bool = True) -> None:
         self.path = Path(path)
         idx = self.path / "index.json"
@@ -179,7 +177,6 @@ class PrecomputedFeatures:
 
 class PrecomputedBatchSource:
     """`BatchSource` over a precompute directory: no target forward at all."""
-
     device = torch.device("cpu")
 
     def __init__(self, pre: PrecomputedFeatures, order, batch_size: int, feature_dtype: torch.dtype) -> None:
