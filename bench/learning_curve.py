@@ -20,8 +20,7 @@ import torch
 from dflash_train import rundir
 from dflash_train.compare import drafter_tau, greedy_outputs, ngram_tau
 from dflash_train.config import load_config
-from dflash_train.data import load_prepared
-from dflash_train.eval.prompts import pick_eval_prompts
+from dflash_train.eval.prompts import eval_prompts
 from dflash_train.export import resolve_drafter_source
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.targets import load_target
@@ -36,10 +35,7 @@ def main() -> int:
     torch.set_num_threads(2)
     cfg = load_config(args.run_dir / "config.yaml")
     target = load_target(cfg.target)
-    source_cfg = cfg.model_copy(deep=True)
-    source_cfg.data.regenerated = None
-    prompts = pick_eval_prompts(load_prepared(source_cfg, target.tokenizer, target.family).heldout,
-                                args.num_prompts, target, cfg.data.max_tokens)
+    prompts = eval_prompts(cfg, target, args.num_prompts)
     held = greedy_outputs(target, prompts, args.max_new_tokens, args.run_dir)
     metrics = {r["step"]: r for r in rundir.read_metrics(args.run_dir) if not r.get("eval")}
     first = metrics[min(metrics)]

@@ -48,6 +48,7 @@ class _OracleCfg:
     block_size: int
     target_layer_ids: list[int]
     mask_token_id: int
+    block_seeds: str = "none"
 
 
 @dataclass

@@ -9,8 +9,8 @@ Job B takes a good deploy (a copy of the repo's code with a harmless change):
 resumed at the stop step, the loss sequence continues exactly as in an
 uninterrupted reference run started alongside; then a deploy of code that
 crashes after start: rolled back, the previous release running again from
-the same checkpoint. Tests of job B run in file order (the second deploys on
-top of the first).
+the same checkpoint. The rollbacks deploy on top of the good deploy, a class
+fixture (`good_deploy`) that whichever test of job B runs first makes.
 """
 from __future__ import annotations
 
@@ -295,15 +295,23 @@ def job_b(data):
         ref.stop()
 
 
+@pytest.fixture(scope="class")
+def good_deploy(job_b, tmp_path_factory):
+    """(pid before, (rc, report, stderr)) of job B's good deploy (a copy of the code with a harmless
+    change), made once for the class by whichever test needs it first, so each test also runs alone."""
+    job, _ = job_b
+    old_pid = job.record()["pid"]
+    code = code_copy(tmp_path_factory.mktemp("v2"), lambda pkg: (pkg / "__init__.py").write_text(
+        (pkg / "__init__.py").read_text() + '\nDEPLOY_TEST_MARK = "v2"  # a harmless change\n'))
+    return old_pid, deploy(job.run_dir, code)
+
+
 class TestDeployAndRollback:
     """Job B, in order: a good deploy, then one that crashes after start."""
 
-    def test_deploy_resumes_at_stop_step_and_loss_continues_exactly(self, job_b, tmp_path):
+    def test_deploy_resumes_at_stop_step_and_loss_continues_exactly(self, job_b, good_deploy):
         job, state = job_b
-        old_pid = job.record()["pid"]
-        code = code_copy(tmp_path / "v2", lambda pkg: (pkg / "__init__.py").write_text(
-            (pkg / "__init__.py").read_text() + '\nDEPLOY_TEST_MARK = "v2"  # a harmless change\n'))
-        rc, rep, err = deploy(job.run_dir, code)
+        old_pid, (rc, rep, err) = good_deploy
         assert rc == 0 and rep["result"] == "deployed", err + json.dumps(rep, indent=1)[-4000:]
         assert [p["name"] for p in rep["phases"]] == [
             "connect", "release", "preflight", "baseline", "record", "stop", "switch", "start", "health"]
@@ -328,7 +336,6 @@ class TestDeployAndRollback:
         assert job.record()["code_version"].startswith("pkg-")  # not the git checkout any more
         health = rep["health"][-1]
         assert health["ok"] and health["resumed_step"] == stop_step and health["step"] >= stop_step + 3
-        state.update(release=rel, stop_step=stop_step)
         # the loss sequence continues exactly as the uninterrupted run's
         end = job.advances(6)
         ref = state["ref"]
@@ -340,13 +347,12 @@ class TestDeployAndRollback:
         steps = [r["step"] for r in metrics(rd) if not r.get("eval")]
         assert steps == sorted(set(steps)), "metrics.jsonl has duplicate or out-of-order steps after the deploy"
 
-    def test_crash_after_start_rolls_back_to_previous_release(self, job_b, tmp_path):
+    def test_crash_after_start_rolls_back_to_previous_release(self, job_b, good_deploy, tmp_path):
         """Deployed through ssh -> pct (local if no sshd): the new release crashes
         after start; rollback restarts the previous release from the same checkpoint."""
         job, state = job_b
-        if "release" not in state:
-            pytest.skip("needs the successful deploy of the previous test")
-        prev = state["release"]
+        assert good_deploy[1][0] == 0, "the good deploy this one builds on failed"
+        prev = good_deploy[1][1]["release"]
         rd = job.run_dir
         code = code_copy(tmp_path / "crash", lambda pkg: replace_in(
             pkg / "train" / "run.py", "    def _loop(self, stopper) -> int:\n",
@@ -380,14 +386,13 @@ class TestDeployAndRollback:
         failed_log = (rd / "logs" / f"deploy-{rep['release']}.log").read_text()
         assert "this release crashes after start" in failed_log
 
-    def test_too_slow_release_is_stopped_gracefully_and_rolled_back(self, job_b, tmp_path):
+    def test_too_slow_release_is_stopped_gracefully_and_rolled_back(self, job_b, good_deploy, tmp_path):
         """A release that runs but misses --min-speed: the live new process is
         stopped gracefully (it checkpoints), its checkpoints are moved aside,
         the previous release resumes from the deploy's stop checkpoint and
         the loss sequence is still the uninterrupted run's."""
         job, state = job_b
-        if "release" not in state:
-            pytest.skip("needs the successful deploy of the first test")
+        assert good_deploy[1][0] == 0, "the good deploy this one builds on failed"
         rd = job.run_dir
         prev = os.readlink(rd / "releases" / "current")
         code = code_copy(tmp_path / "v3", lambda pkg: (pkg / "__init__.py").write_text(

@@ -127,6 +127,66 @@ def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
     assert C._heldout_from_run(rc, t, 2) == expect
 
 
+def test_in_training_eval_scores_the_final_evals_prompts(setup, tmp_path):
+    """The in-training eval of a run trained on regenerated answers picks the very prompts that
+    `eval --prompts heldout`, compare and the demo score (`eval_prompts`): the held-out prompts of
+    data.source, not those of the regenerated file (which holds other conversations)."""
+    from dflash_train.data.sources import is_heldout, read_conversations
+    from dflash_train.eval import command as C
+    from dflash_train.eval.in_training import HeldoutEval
+    from dflash_train.eval.prompts import eval_prompts
+    from dflash_train.train.eval_hook import InTrainingEval
+
+    t = setup[0]
+
+    def convs(path, what):
+        path.write_text("".join(json.dumps({"id": f"{what}{i}", "conversations": [
+            {"from": "human", "value": f"{what} question {i}: what is {i} plus {i}?"},
+            {"from": "gpt", "value": f"It is {2 * i}."}]}) + "\n" for i in range(40)))
+        return path
+
+    rc = RunConfig()
+    rc.target.path, rc.target.device = str(setup[2]), "cpu"
+    rc.data.source = f"jsonl:{convs(tmp_path / 'source.jsonl', 'source')}"
+    rc.data.heldout_fraction = 0.3
+    rc.data.regenerated = str(convs(tmp_path / "regenerated.jsonl", "regenerated"))
+    rc.eval.every_steps, rc.eval.num_prompts = 2, 3
+    source, _ = read_conversations(rc.data.source, None)
+    want = [c.prompt for c in source if is_heldout(c, 0.3)][:3]
+    regen, _ = read_conversations(f"jsonl:{rc.data.regenerated}", None)
+    assert [c.prompt for c in regen if is_heldout(c, 0.3)][:3] != want  # the old in-training choice differed
+    hook = InTrainingEval(rc, HeldoutEval(rc), is_leader=True)
+    hook.pick_prompts(t)
+    assert hook.prompts == want == eval_prompts(rc, t) == C._heldout_from_run(rc, t, 3)
+
+
+def test_targets_implement_the_declared_target_interface(setup):
+    """targets.Target is a DecodingTarget (model/target.py); the tests' FakeTarget is a TargetHead."""
+    from test_model_fakes import FakeTarget
+
+    from dflash_train.model.target import CapturingTarget, DecodingTarget, TargetHead
+
+    assert isinstance(setup[0], DecodingTarget)
+    fake = FakeTarget()
+    assert isinstance(fake, TargetHead) and not isinstance(fake, CapturingTarget)
+
+
+def test_eval_result_rows_join_one_table(setup):
+    """`evaluate_tau`'s result as `results.MethodRow`s: drafter, prompt lookup, plain; a row measured
+    in a serving engine is the same type and renders in the same columns."""
+    from dflash_train.results import MethodRow, cells, eval_rows
+
+    t, dr, *_ = setup
+    res = evaluate_tau(dr, t, ["Hello there"], 6)
+    rows = eval_rows(res, "DFlash drafter")
+    assert [r.method for r in rows] == ["DFlash drafter", "prompt lookup (k=3)", "plain decoding"]
+    assert rows[0].tau == res["tau"] and rows[0].lossless is True and rows[1].lossless is True
+    assert cells(rows[-1])[1:] == ["1.000", format(res["tokens_per_s_plain"], ".2f"), "1.00", "-"]
+    engine = MethodRow("vLLM dflash", 2.5, 120.0, 1.8, True, measured_by="vllm")
+    assert cells(engine) == ["vLLM dflash", "2.500", "120.00", "1.80", "yes"]
+    assert engine.to_dict()["measured_by"] == "vllm"
+
+
 def test_heldout_prompts_shapes():
     from dflash_train.data.sources import Conversation
 

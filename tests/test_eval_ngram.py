@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash_train.config import TargetConfig
-from dflash_train.eval import ngram
+from dflash_train.eval import decoding
 from dflash_train.eval.ngram import ngram_generate, propose
 from dflash_train.eval.specdec import plain_generate
 from dflash_train.targets import load_target
@@ -105,7 +105,7 @@ class _FakeModel:
 
 
 def _fake(monkeypatch, seq):
-    monkeypatch.setattr(ngram, "_make_target_cache", lambda m, **kw: _FakeCache())
+    monkeypatch.setattr(decoding, "make_target_cache", lambda m, **kw: _FakeCache())
     model = _FakeModel(seq)
     return SimpleNamespace(model=model, device=torch.device("cpu")), model
 

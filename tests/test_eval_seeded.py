@@ -57,7 +57,7 @@ def test_eval_cli_on_a_seeded_export(tiny_target_factory, tmp_path):
     import subprocess
 
     from dflash_train.export import write_export
-    from trainrun import REPO, env
+    from trainrun import CLI, REPO, env
 
     tdir = tiny_target_factory("gemma3")
     t = load_target(TargetConfig(path=str(tdir), device="cpu", dtype="float32"))
@@ -66,7 +66,7 @@ def test_eval_cli_on_a_seeded_export(tiny_target_factory, tmp_path):
     assert json.loads((exp / "config.json").read_text())["dflash_config"]["block_seeds"] == "prompt_lookup"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    r = subprocess.run([str(REPO / ".venv" / "bin" / "dflash-train"), "eval", "--drafter", str(exp), "--prompts",
+    r = subprocess.run([*CLI, "eval", "--drafter", str(exp), "--prompts",
                         str(prompts), "--max-new-tokens", "24", "--json"],
                        capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
     assert r.returncode == 0, r.stderr

@@ -1,7 +1,7 @@
 """Tiny stand-ins shared by the tests/test_model_*.py files (no tests here).
 
-FakeTarget follows docs/architecture.md "Target interface" with a random
-nn.Embedding and lm_head; it does not depend on src/dflash_train/targets/.
+FakeTarget implements the declared Target interface (model/target.py `TargetHead`) with a
+random nn.Embedding and lm_head; it does not depend on src/dflash_train/targets/.
 """
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.model import DFlashDrafter, DrafterConfig
+from dflash_train.model.target import TargetHead
 
 
 @dataclass
-class FakeTarget:
+class FakeTarget(TargetHead):
     vocab_size: int = 50
     hidden_size: int = 32
     num_layers: int = 8
@@ -26,6 +27,7 @@ class FakeTarget:
     mask_token_id: int = 49
     seed: int = 0
     trainable: bool = False  # True only to prove no gradient reaches it
+    serving_dtype: str | None = None
     hf_config: SimpleNamespace = field(default_factory=lambda: SimpleNamespace(
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64))
 

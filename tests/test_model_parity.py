@@ -103,10 +103,10 @@ def test_export_config_builds_the_reference(layer_types, W):
 
     ref0 = reference_model(layer_types, W, seed=4)
     ours = ours_from(ref0, layer_types, W)
-    from dflash_train.export import hf_config_dict
+    from dflash_train.model.hf_config import drafter_config_from_hf, hf_config_dict
 
     d = hf_config_dict(ours.cfg)  # the one definition of the exported config
-    assert DrafterConfig.from_hf_config_dict(d) == ours.cfg
+    assert drafter_config_from_hf(d) == ours.cfg  # and its one reader (export.load_export's)
     ref = DFlashDraftModel(Qwen3Config(**d)).eval()
     missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("rotary_emb.") for k in missing)

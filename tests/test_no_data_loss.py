@@ -1,6 +1,6 @@
 """Nothing that exists is deleted unless the user named exactly that thing (issue 14, part A).
 
-Driven as a user would: the installed `dflash-train` in real subprocesses on real
+Driven as a user would: the CLI (`python -m dflash_train.cli`, the test's interpreter) in real subprocesses on real
 files. Every refusal is checked for its one-line message and exit code 2 AND for
 the files on disk being byte-for-byte what they were before (hashes of the whole
 tree). Also: the permissions of exported and checkpoint files (umask, not 0600),
@@ -16,14 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from trainrun import REPO, env, tiny_overrides
-
-CLI = str(REPO / ".venv" / "bin" / "dflash-train")
+from trainrun import CLI, REPO, env, tiny_overrides
 
 
 def cli(*args, timeout: float = 300) -> subprocess.CompletedProcess:
     # umask 022 as on a usual server account; the files must come out 0644, not 0600
-    return subprocess.run(["/bin/sh", "-c", 'umask 022 && exec "$@"', "sh", CLI, *map(str, args)],
+    return subprocess.run(["/bin/sh", "-c", 'umask 022 && exec "$@"', "sh", *CLI, *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env(), cwd=REPO)
 
 

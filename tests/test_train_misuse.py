@@ -15,13 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainrun import REPO, env, metrics, tiny_overrides
-
-DFLASH = REPO / ".venv" / "bin" / "dflash-train"
+from trainrun import CLI, REPO, env, metrics, tiny_overrides
 
 
 def cli_cmd() -> list[str]:
-    return [str(DFLASH)] if DFLASH.exists() else [sys.executable, "-m", "dflash_train.cli"]
+    return list(CLI)
 
 
 def cli(*args, timeout: float = 300, prefix: list[str] | None = None) -> subprocess.CompletedProcess:

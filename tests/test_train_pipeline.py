@@ -59,22 +59,33 @@ def test_queue_depths_give_identical_losses(tiny):
     assert runs[1] == runs[60] and len(runs[1]) == 6
 
 
-def test_offline_equals_online(tiny):
-    """precompute (float32) -> train from disk == online training with per-row capture."""
+def _over(tiny) -> list[str]:
+    target_dir, jsonl, _ = tiny
+    return tiny_overrides(target_dir, jsonl, **{"pipeline.cache_features": True, "train.max_steps": 6})
+
+
+@pytest.fixture(scope="module")
+def precomputed(tiny):
+    """`dflash-train precompute` (float32) of the tiny data, shared by the tests below, made by
+    whichever of them runs first (each also runs alone)."""
     import subprocess
-    import sys
 
-    from trainrun import REPO, env
+    from trainrun import CLI, REPO, env
 
-    target_dir, jsonl, root = tiny
-    over = tiny_overrides(target_dir, jsonl, **{"pipeline.cache_features": True, "train.max_steps": 6})
+    pre = tiny[2] / "features"
+    res = subprocess.run([*CLI, "precompute", "--out", str(pre), "--dtype", "float32", "--rows-per-shard", "32",
+                          *_over(tiny)], capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return pre
+
+
+def test_offline_equals_online(tiny, precomputed):
+    """precompute (float32) -> train from disk == online training with per-row capture."""
+    root = tiny[2]
+    over = _over(tiny)
     online = root / "online"
     assert run_train(online, over).returncode == 0
-    pre = root / "features"
-    res = subprocess.run([sys.executable, "-m", "dflash_train.cli", "precompute", "--out", str(pre),
-                          "--dtype", "float32", "--rows-per-shard", "32", *over],
-                         capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
-    assert res.returncode == 0, res.stderr
+    pre = precomputed
     index = json.loads((pre / "index.json").read_text())
     assert len(index["shards"]) >= 2 and all(len(s["sha256"]) == 64 for s in index["shards"])
     offline = root / "offline"
@@ -83,11 +94,9 @@ def test_offline_equals_online(tiny):
     assert losses(offline) == losses(online)
 
 
-def test_corrupt_precomputed_shard_is_a_clear_error(tiny, tmp_path):
+def test_corrupt_precomputed_shard_is_a_clear_error(tiny, precomputed, tmp_path):
     target_dir, jsonl, root = tiny
-    pre = root / "features"
-    if not (pre / "index.json").exists():
-        pytest.skip("needs test_offline_equals_online's output")
+    pre = precomputed
     import shutil
 
     bad = tmp_path / "bad"

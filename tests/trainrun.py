@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# the CLI as the interpreter running the tests runs it (any venv: `pip install -e .[test] && pytest`)
+CLI = [sys.executable, "-m", "dflash_train.cli"]
 
 
 def tiny_overrides(target_dir: Path, jsonl: Path, **extra) -> list[str]:
@@ -41,7 +43,7 @@ def tiny_overrides(target_dir: Path, jsonl: Path, **extra) -> list[str]:
 
 def train_cmd(run_dir: Path, overrides: list[str], resume: str | Path | None = None) -> list[str]:
     extra = ["--resume", str(resume)] if resume is not None else []
-    return [sys.executable, "-m", "dflash_train.cli", "train", "--run-dir", str(run_dir), *extra, *overrides]
+    return [*CLI, "train", "--run-dir", str(run_dir), *extra, *overrides]
 
 
 def env(step_delay: float | None = None, commit_delay: float | None = None) -> dict:

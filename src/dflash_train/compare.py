@@ -8,8 +8,8 @@ Each variant is a real `dflash-train train` run (its own subprocess and run dir
 OUT/NAME: base config + the shared overrides + the variant's). A variant that
 was stopped (Ctrl-C, `dflash-train stop`) resumes from its checkpoint the next
 time the same command runs; a finished one is not trained again. Then each is
-scored on the same held-out prompts (`pick_eval_prompts` over the held-out
-conversations of the base config's `data.source`, as the demo picks them):
+scored on the same held-out prompts (`eval.prompts.eval_prompts` of the base config,
+what `eval`, the demo and the in-training eval score):
 
 * tau: acceptance length of greedy speculative decoding, by replay
   (eval/replay.py; tests/test_eval_replay.py holds it equal to real decoding);
@@ -201,12 +201,12 @@ def training_answers(target, regenerated: str, n: int) -> list[tuple[list[int], 
 
 
 def ngram_tau(outputs, k: int) -> float:
-    from dflash_train.eval.ngram import propose
-    from dflash_train.eval.replay import walk_acceptance
+    from dflash_train.eval.ngram import PromptLookup
+    from dflash_train.model.acceptance import walk_acceptance
 
     acc: list[int] = []
     for seq, n in outputs:
-        acc += walk_acceptance(seq, n, lambda s, seq=seq: propose(seq[: s + 1], k))
+        acc += walk_acceptance(seq, n, PromptLookup(seq, k))
     return _mean(acc)
 
 
@@ -312,8 +312,7 @@ def engine_scores(target_path: str, target, prompts, max_new_tokens: int, out: P
 def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str], out: Path,
                 num_prompts: int = 12, max_new_tokens: int = 64, decode: bool = False,
                 num_train_answers: int | None = None, engine: bool = False) -> dict[str, dict]:
-    from dflash_train.data import load_prepared
-    from dflash_train.eval.prompts import pick_eval_prompts
+    from dflash_train.eval.prompts import eval_prompts
     from dflash_train.targets import load_target
 
     variants = parse_variants(variant_specs)
@@ -334,12 +333,7 @@ def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str
             train_variant(Path(config), shared, v, out / v.name, fwd)
 
     target = load_target(cfg.target)
-    # the held-out prompts of data.source, as the demo picks them: target-written answers
-    # (data.regenerated) hold only the few held-out conversations that were regenerated
-    source_cfg = cfg.model_copy(deep=True)
-    source_cfg.data.regenerated = None
-    base = load_prepared(source_cfg, target.tokenizer, target.family)
-    prompts = pick_eval_prompts(base.heldout, num_prompts, target, cfg.data.max_tokens)
+    prompts = eval_prompts(cfg, target, num_prompts)  # the run's held-out prompts, as eval and the demo score
     if not prompts:
         raise UserError(f"{config}: no held-out prompt fits data.max_tokens={cfg.data.max_tokens} "
                         f"(raise data.heldout_fraction or data.max_tokens)")

@@ -97,8 +97,8 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
     t.add_column("tau", justify="right")
     t.add_column("tokens/s", justify="right")
     t.add_column("speedup vs plain", justify="right")
-    for name, tau, tps, speedup in comparison_rows(summary):
-        t.add_row(name, fmt_num(tau, ".3f"), fmt_num(tps, ".2f"), fmt_num(speedup, ".2f", "x"))
+    for r in comparison_rows(summary):
+        t.add_row(r.method, fmt_num(r.tau, ".3f"), fmt_num(r.tokens_per_s, ".2f"), fmt_num(r.speedup, ".2f", "x"))
     out.print(t)
     for line in explanation(summary):
         out.print(f"  {line}", markup=False)
@@ -162,7 +162,7 @@ def _judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path, run_dir:
 
 def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     from dflash_train.data import load_prepared
-    from dflash_train.eval.prompts import pick_eval_prompts
+    from dflash_train.eval.prompts import eval_prompts
     from dflash_train.export import export_checkpoint, resolve_drafter_source
     from dflash_train.model.dflash2 import build_drafter
     from dflash_train.model.drafter import DrafterConfig
@@ -182,7 +182,7 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
 
     t0 = _phase(2, f"data: ShareGPT slice, held-out prompts, answers written by the target ({demo.regenerate_engine})")
     base = load_prepared(cfg, target.tokenizer, target.family)
-    prompts = pick_eval_prompts(base.heldout, cfg.eval.num_prompts, target, cfg.data.max_tokens)
+    prompts = eval_prompts(cfg, target)  # what the in-training eval and `eval --prompts heldout` score
     console.print(f"ShareGPT: {base.stats.get('conversations_read')} conversations, "
                   f"{len(base.heldout)} held out -> {len(prompts)} eval prompts")
     regen = run_dir / "regenerated.jsonl"

@@ -14,26 +14,33 @@ see /work/shared/dflash-method.md "Export":
   (``layers.{i}....``, ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``):
   no ``model.`` prefix, no embed_tokens, no lm_head.
 
-Here: the format both ways (``write_export`` into a directory ``check_out_dir``
-allows, ``load_export``), and `export_checkpoint`, which joins the pieces: the
+Here: the files both ways (``write_export`` into a directory ``check_out_dir``
+allows, ``load_export``; config.json's keys are mapped in ONE place, `model/hf_config.py`), and `export_checkpoint`, which joins the pieces: the
 drafter of a run or checkpoint (checkpoint/source.py), the run summary and model
 card README.md (report.py), the files. `resolve_drafter_source` reads an export
 dir or a checkpoint (what `eval` takes).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import secrets
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from dflash_train.checkpoint.source import DrafterSource, clean_state_dict, resolve_checkpoint_source
+from dflash_train.errors import UserError
 from dflash_train.model.dflash2 import export_shapes, from_export_names, to_export_names
+from dflash_train.model.hf_config import drafter_config_from_hf, hf_config_dict
 from dflash_train.report import model_card, run_summary
-from dflash_train.rundir import MANIFEST_FILE
-from dflash_train.serving_check import target_facts
+from dflash_train.rundir import MANIFEST_FILE, holds_checkpoints, is_checkpoint_dir, is_run_dir
+from dflash_train.serving_check import check_config, check_export, target_facts
+from dflash_train.utils import save_safetensors
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -42,135 +49,7 @@ README_FILE = "README.md"
 
 def _err(msg: str) -> Exception:
     """An error the CLI prints as one line (UserError) without a traceback."""
-    from dflash_train.errors import UserError
-
     return UserError(msg)
-
-
-# --------------------------------------------------------------------------- config mapping
-
-
-def hf_config_dict(cfg, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The exported config.json for a `DrafterConfig` (transformers 5.x Qwen3Config + DFlash keys)."""
-    sliding = "sliding_attention" in cfg.layer_types
-    dflash: dict[str, Any] = {
-        "mask_token_id": int(cfg.mask_token_id),
-        "target_layer_ids": [int(i) for i in cfg.target_layer_ids],
-    }
-    if float(cfg.input_embedding_scale) != 1.0:
-        dflash["input_embedding_scale"] = float(cfg.input_embedding_scale)
-    if float(cfg.output_multiplier) != 1.0:
-        dflash["output_multiplier"] = float(cfg.output_multiplier)
-    if cfg.final_logit_softcapping is not None:
-        dflash["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
-    if getattr(cfg, "block_seeds", "none") != "none":
-        # engines that do not know the key ignore it and draft from masks only
-        dflash["block_seeds"] = cfg.block_seeds
-    rope = dict(cfg.rope_parameters)
-    rope_theta = float(rope["rope_theta"])
-    out: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "num_hidden_layers": int(cfg.num_layers),
-        "hidden_size": int(cfg.hidden_size),
-        "intermediate_size": int(cfg.intermediate_size),
-        "num_attention_heads": int(cfg.num_heads),
-        "num_key_value_heads": int(cfg.num_kv_heads),
-        "head_dim": int(cfg.head_dim),
-        "hidden_act": "silu",
-        "rms_norm_eps": float(cfg.rms_norm_eps),
-        # transformers 5.x (and vLLM) read rope_parameters; SGLang and 4.x-based code read rope_theta (+ rope_scaling)
-        "rope_theta": rope_theta,
-        "rope_parameters": rope,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "vocab_size": int(cfg.vocab_size),
-        "max_position_embeddings": int(cfg.max_position_embeddings),
-        "initializer_range": float(cfg.init_std),
-        "num_target_layers": int(cfg.num_target_layers),
-        "block_size": int(cfg.block_size),
-        "layer_types": list(cfg.layer_types),
-        # Qwen3Config drops sliding_window unless use_sliding_window is true
-        "use_sliding_window": bool(sliding),
-        "sliding_window": int(cfg.sliding_window) if sliding else None,
-        "max_window_layers": int(cfg.num_layers),
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        # the target's serving dtype (SGLang's --dtype auto reads it; a float32 config would run in float16);
-        # torch_dtype for transformers 4.x-based readers
-        "dtype": cfg.serving_dtype,
-        "torch_dtype": cfg.serving_dtype,
-        "dflash_config": dflash,
-    }
-    if rope["rope_type"] != "default":
-        out["rope_scaling"] = rope  # what SGLang's get_rope_config and transformers 4.x read
-    if float(cfg.output_multiplier) != 1.0:
-        out["logit_scale"] = float(cfg.output_multiplier)  # vLLM's DFlash LogitsProcessor scale
-    if getattr(cfg, "architecture", "dflash") == "dflash2":  # what the reference DFlash2DraftModel reads
-        out["architectures"] = ["DFlash2DraftModel"]
-        for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            dflash[k] = int(getattr(cfg, k))
-    if extra:
-        out["dflash_train"] = extra
-    return out
-
-
-def drafter_config_from_hf(d: dict[str, Any], where: str = CONFIG_FILE):
-    """`DrafterConfig` from an exported config.json dict (ours, or the public DFlash layout)."""
-    from dflash_train.model.drafter import DrafterConfig, default_target_layer_ids
-
-    dfc = d.get("dflash_config") or {}
-
-    def pick(name, default=None):
-        return dfc.get(name, d.get(name, default))
-
-    try:
-        n_layers = int(d["num_hidden_layers"])
-        hidden = int(d["hidden_size"])
-        heads = int(d["num_attention_heads"])
-        num_target_layers = int(d["num_target_layers"])
-        layer_types = d.get("layer_types") or ["full_attention"] * n_layers
-        rope = d.get("rope_parameters") or {}
-        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 1_000_000.0)))
-        layer_ids = pick("target_layer_ids") or default_target_layer_ids(num_target_layers, n_layers)
-        mask_id = pick("mask_token_id")
-        if mask_id is None:
-            raise KeyError("dflash_config.mask_token_id")
-        softcap = pick("final_logit_softcapping")
-        sliding = "sliding_attention" in layer_types
-        dflash2 = "DFlash2DraftModel" in (d.get("architectures") or [])
-        return DrafterConfig(
-            architecture="dflash2" if dflash2 else "dflash",
-            **{k: (int(pick(k)) if dflash2 and pick(k) is not None else None)
-               for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")},
-            hidden_size=hidden,
-            num_layers=n_layers,
-            num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            intermediate_size=int(d["intermediate_size"]),
-            layer_types=list(layer_types),
-            sliding_window=int(d["sliding_window"]) if sliding and d.get("sliding_window") else None,
-            block_size=int(pick("block_size", 16)),
-            mask_token_id=int(mask_id),
-            target_layer_ids=[int(i) for i in layer_ids],
-            num_target_layers=num_target_layers,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_parameters=dict(rope) if rope else None,
-            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-            serving_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32"),
-            vocab_size=int(d.get("vocab_size", 0)),
-            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
-            output_multiplier=float(pick("output_multiplier", 1.0)),
-            final_logit_softcapping=None if softcap is None else float(softcap),
-            init_std=float(d.get("initializer_range", 0.02)),
-            block_seeds=str(pick("block_seeds", "none")),
-        )
-    except KeyError as e:
-        raise _err(f"{where}: missing key {e.args[0]!r}; not a DFlash drafter config") from None
-    except (TypeError, ValueError) as e:
-        raise _err(f"{where}: invalid DFlash drafter config: {e}") from None
 
 
 def is_export_dir(path: Path) -> bool:
@@ -185,8 +64,6 @@ def load_export(path: str | Path):
 
 
 def load_export_source(path: Path) -> DrafterSource:
-    from safetensors.torch import load_file
-
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
         raise _err(f"{cfg_file}: missing (not an export dir)")
@@ -196,7 +73,12 @@ def load_export_source(path: Path) -> DrafterSource:
         raise _err(f"{cfg_file}: not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise _err(f"{cfg_file}: not a JSON object")
-    cfg = drafter_config_from_hf(d, str(cfg_file))
+    try:
+        cfg = drafter_config_from_hf(d)
+    except KeyError as e:
+        raise _err(f"{cfg_file}: missing key {e.args[0]!r}; not a DFlash drafter config") from None
+    except (TypeError, ValueError) as e:
+        raise _err(f"{cfg_file}: invalid DFlash drafter config: {e}") from None
     wf = path / WEIGHTS_FILE
     if not wf.is_file():
         raise _err(f"{wf}: missing")
@@ -258,8 +140,6 @@ def is_previous_export(path: Path) -> bool:
 
 def _run_or_checkpoint_inside(path: Path, depth: int = 2, budget: int = 2000) -> str | None:
     """'the run dir X' / 'the checkpoint X' within `path` (a bounded look, for the error message only)."""
-    from dflash_train.rundir import holds_checkpoints, is_checkpoint_dir, is_run_dir
-
     level = [path]
     for _ in range(depth):
         nxt = []
@@ -296,8 +176,6 @@ def check_out_dir(out: Path, force: bool) -> Path:
       anything else (which covers one containing a run dir or checkpoint) is
       refused, `--force` or not.
     """
-    from dflash_train.rundir import holds_checkpoints, is_checkpoint_dir, is_run_dir
-
     given = Path(out)
     real = given.resolve()
     if real.exists() and not real.is_dir():
@@ -344,11 +222,6 @@ def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, 
     `serving_check.check_export` (against `target`, see `serving_check.target_facts`)
     before they replace anything; a problem raises the one-line UserError.
     """
-    import secrets
-
-    from dflash_train.serving_check import check_export
-    from dflash_train.utils import save_safetensors
-
     given = Path(out_dir)
     out = check_out_dir(given, force)
     sd = to_export_names(clean_state_dict(state_dict))
@@ -430,8 +303,6 @@ def export_checkpoint(ckpt_or_run_dir: str | Path, out_dir: str | Path, force: b
 def follow_target(cfg, facts: dict[str, Any] | None):
     """The DrafterConfig to export: serving dtype and context length of the target as it is on disk
     now (`serving_check.target_facts`), when readable; else what training recorded."""
-    import dataclasses
-
     if not facts:
         return cfg
     kw: dict[str, Any] = {}
@@ -444,14 +315,10 @@ def follow_target(cfg, facts: dict[str, Any] | None):
 
 
 def serving_warnings(cfg) -> list[str]:
-    from dflash_train.serving_check import check_config
-
     return check_config(hf_config_dict(cfg), None)[1]
 
 
 def export_command(source: Path, out: Path, force: bool) -> None:
-    import sys
-
     path = export_checkpoint(source, out, force)
     cfg, sd = load_export(path)
     for w in serving_warnings(cfg):

@@ -12,6 +12,7 @@ from typing import Any
 from dflash_train import rundir
 from dflash_train.model.dflash2 import SERVING_NOTE
 from dflash_train.serving_check import embedding_scale_warning, launch_commands
+from dflash_train.results import MethodRow, plain_row
 
 
 EXPLANATION = [
@@ -61,31 +62,31 @@ def explanation(summary: dict[str, Any]) -> list[str]:
     return EXPLANATION + (SEEDED_NOTE if seeded else [])
 
 
-def comparison_rows(summary: dict[str, Any]) -> list[tuple[str, float | None, float | None, float | None]]:
-    """(method, tau, tokens/s, speedup vs plain) for the trained drafter, the untrained
-    drafter, prompt lookup and plain decoding, from the demo's summary (rows whose
-    evaluation is missing are left out)."""
+def comparison_rows(summary: dict[str, Any]) -> list[MethodRow]:
+    """The trained drafter, the untrained drafter, prompt lookup and plain decoding, from the
+    demo's summary (rows whose evaluation is missing are left out): `results.MethodRow`s."""
     tr = summary.get("eval_trained") or {}
     un = summary.get("eval_untrained") or {}
     plain = summary.get("tokens_per_s_plain", tr.get("tokens_per_s_plain"))
-    rows: list[tuple[str, float | None, float | None, float | None]] = []
+    rows: list[MethodRow] = []
     if tr:
         seeded = tr.get("tau_unseeded") is not None
         name = "trained DFlash drafter" + (" (blocks seeded by prompt lookup)" if seeded else "")
-        rows.append((name, tr.get("tau"), tr.get("tokens_per_s_spec"), tr.get("speedup")))
+        rows.append(MethodRow(name, tr.get("tau"), tr.get("tokens_per_s_spec"), tr.get("speedup"),
+                              tr.get("outputs_match")))
         if seeded:
-            rows.append(("  same drafter from masks only (as SGLang / vLLM run it; tau by replay)",
-                         tr.get("tau_unseeded"), None, None))
+            rows.append(MethodRow("  same drafter from masks only (as SGLang / vLLM run it; tau by replay)",
+                                  tr.get("tau_unseeded"), decoded=False))
     if un:
-        rows.append(("untrained DFlash drafter (same shape, random weights)", un.get("tau"),
-                     un.get("tokens_per_s_spec"), un.get("speedup")))
+        rows.append(MethodRow("untrained DFlash drafter (same shape, random weights)", un.get("tau"),
+                              un.get("tokens_per_s_spec"), un.get("speedup")))
     tau_ng = summary.get("tau_ngram", tr.get("tau_ngram"))
     if tau_ng is not None:
-        rows.append(("prompt lookup (n-gram drafting, no training)", tau_ng,
-                     summary.get("tokens_per_s_ngram", tr.get("tokens_per_s_ngram")),
-                     summary.get("speedup_ngram", tr.get("speedup_ngram"))))
+        rows.append(MethodRow("prompt lookup (n-gram drafting, no training)", tau_ng,
+                              summary.get("tokens_per_s_ngram", tr.get("tokens_per_s_ngram")),
+                              summary.get("speedup_ngram", tr.get("speedup_ngram")), tr.get("outputs_match_ngram")))
     if plain is not None:
-        rows.append(("plain decoding (the target alone)", 1.0, plain, 1.0))
+        rows.append(plain_row(plain, "plain decoding (the target alone)"))
     return rows
 
 
@@ -186,8 +187,9 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     else:
         lines += ["## Speed: trained drafter vs untrained drafter vs prompt lookup vs plain decoding", "",
                   "| method | tau | tokens/s | speedup vs plain |", "|---|---|---|---|"]
-        for name, tau, tps, speedup in comparison_rows(summary):
-            lines.append(f"| {name} | {fmt_num(tau, '.3f')} | {fmt_num(tps, '.2f')} | {fmt_num(speedup, '.2f', 'x')} |")
+        for r in comparison_rows(summary):
+            lines.append(f"| {r.method} | {fmt_num(r.tau, '.3f')} | {fmt_num(r.tokens_per_s, '.2f')} | "
+                         f"{fmt_num(r.speedup, '.2f', 'x')} |")
     lines += [""] + [f"- {line}" for line in explanation(summary)] + [
         "",
         f"Prompts: {summary.get('eval_prompts', '?')} held-out ShareGPT first turns, "

@@ -271,7 +271,7 @@ class TokenizerOnly:
 def _run_config_near(src):
     """The run's config for held-out prompts: the source's run dir, or the run an export sits in
     (RUN/export) or was exported from (its recorded checkpoint)."""
-    from dflash_train.config import load_config
+    from dflash_train.config import read_run_config
 
     cands = [src.run_dir] if src.run_dir is not None else []
     if src.kind == "export":
@@ -279,6 +279,7 @@ def _run_config_near(src):
         if src.meta.get("source"):
             cands += list(Path(src.meta["source"]).resolve().parents[:2])
     for d in cands:
-        if d is not None and (Path(d) / "config.yaml").is_file():
-            return load_config(Path(d) / "config.yaml")
+        cfg = read_run_config(d) if d is not None else None
+        if cfg is not None:
+            return cfg
     return None

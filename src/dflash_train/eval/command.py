@@ -24,15 +24,20 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dflash_train.config import TargetConfig, read_run_config
+from dflash_train.data.sources import DataError
+from dflash_train.errors import UserError
 from dflash_train.eval.ngram import ngram_generate
+from dflash_train.eval.prompts import encode_prompts, eval_prompts, read_prompts_file
 from dflash_train.eval.replay import replay_acceptance
-from dflash_train.eval.prompts import encode_prompts, pick_eval_prompts, read_prompts_file
 from dflash_train.eval.specdec import acceptance_histogram, plain_generate, speculative_generate, tau_of
+from dflash_train.export import resolve_drafter_source
+from dflash_train.model.dflash2 import build_drafter
+from dflash_train.results import cells, eval_rows
+from dflash_train.targets import load_target
 
 
 def _err(msg: str) -> Exception:
-    from dflash_train.errors import UserError
-
     return UserError(msg)
 
 
@@ -94,7 +99,7 @@ def evaluate_tau(
         stops = list(stop_token_ids)
     if not prompt_ids:
         raise _err("no prompts to evaluate")
-    cfg = getattr(drafter, "cfg", None) or getattr(drafter, "config")
+    cfg = drafter.cfg
     bs = int(cfg.block_size)
     device = target.device
     all_acc: list[int] = []
@@ -109,7 +114,7 @@ def evaluate_tau(
     match_ngram: bool | None = True if (do_ngram and measure_plain) else None
     mismatches_ngram: list[int] = []
     # a prompt-lookup-seeded drafter: also its tau from masks only, what SGLang / vLLM give it
-    seeded = getattr(cfg, "block_seeds", "none") != "none"
+    seeded = cfg.block_seeds != "none"
     unseeded_acc: list[int] | None = [] if (seeded and temperature <= 0) else None
     for i, ids in enumerate(prompt_ids):
         x = torch.tensor([list(ids)], dtype=torch.long, device=device)
@@ -179,7 +184,7 @@ def evaluate_tau(
         "steps_ngram": len(ngram_acc) if do_ngram else None,
         "new_tokens_ngram": n_ngram if do_ngram else None,
         "ngram_k": ngram_k if do_ngram else None,
-        "block_seeds": getattr(cfg, "block_seeds", "none"),
+        "block_seeds": cfg.block_seeds,
         "tau_unseeded": tau_of(unseeded_acc) if unseeded_acc is not None else None,
     }
 
@@ -188,53 +193,23 @@ def evaluate_tau(
 
 
 def _run_config(run_dir: Path | None):
-    from dflash_train.config import read_run_config
-
     return read_run_config(run_dir)
 
 
 def _heldout_from_run(run_cfg, target, num_prompts: int) -> list[str]:
-    from dflash_train.data.sources import DataError, is_heldout
-
+    """`eval_prompts` of the run: the prompts the in-training eval, the demo and compare score."""
     if run_cfg is None:
         raise _err("--prompts heldout needs the run's config.yaml (give --drafter RUN_DIR or a checkpoint "
                    "inside one), or pass --prompts FILE.jsonl")
-    # held-out prompts come from the ORIGINAL source (a regenerated file holds the training
-    # conversations' rewritten answers, not the held-out split the run never trained on)
-    run_cfg = run_cfg.model_copy(deep=True)
-    run_cfg.data.regenerated = None
     d = run_cfg.data
     try:
-        if d.source.startswith("prepared:") and not d.regenerated:
-            from dflash_train.data.prepare import load_prepared
-
-            convs = load_prepared(run_cfg, target.tokenizer, target.family).heldout
-        else:
-            from dflash_train.data.prepare import read_source_conversations
-
-            convs = [c for c in read_source_conversations(run_cfg)[0] if is_heldout(c, d.heldout_fraction)]
+        prompts = eval_prompts(run_cfg, target, num_prompts)
     except DataError as e:
         raise _err(f"cannot read held-out conversations: {e}; pass --prompts FILE.jsonl") from None
-    # the same choice as the demo and the in-training eval: the first held-out prompts
-    # whose formatted form fits the row length the drafter trained at
-
-    prompts = pick_eval_prompts(convs, num_prompts, target, d.max_tokens)
     if not prompts:
         raise _err(f"the run's data ({d.source}, heldout_fraction={d.heldout_fraction}) has no held-out "
                    f"conversation whose prompt fits data.max_tokens={d.max_tokens}; pass --prompts FILE.jsonl")
     return prompts
-
-
-def _num(v: Any, spec: str) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "n/a"
-    return format(v, spec)
-
-
-def _match_text(match: bool | None, mismatched: Sequence[int] | None) -> str:
-    if match is None:
-        return "not checked"
-    return "yes" if match else f"NO (prompts {list(mismatched or [])})"
 
 
 def _print_table(res: dict[str, Any], title: str, drafter_label: str = "DFlash drafter") -> None:
@@ -248,18 +223,9 @@ def _print_table(res: dict[str, Any], title: str, drafter_label: str = "DFlash d
     t.add_column("tokens/s", justify="right")
     t.add_column("speedup", justify="right")
     t.add_column("same as plain", justify="right")
-    t.add_row(drafter_label, _num(res["tau"], ".3f"), _num(res["tokens_per_s_spec"], ".2f"),
-              _num(res["speedup"], ".2f"), _match_text(res["outputs_match"], res["mismatched_prompts"]))
+    for row in eval_rows(res, drafter_label):
+        t.add_row(*cells(row))
     ngram = res.get("tau_ngram") is not None
-    if ngram:
-        t.add_row(f"prompt lookup (k={res['ngram_k']})", _num(res["tau_ngram"], ".3f"),
-                  _num(res["tokens_per_s_ngram"], ".2f"), _num(res["speedup_ngram"], ".2f"),
-                  _match_text(res["outputs_match_ngram"], res["mismatched_prompts_ngram"]))
-    if res.get("tau_unseeded") is not None:
-        t.add_row("  same drafter, masks only (no lookup seeds: as SGLang / vLLM run it)",
-                  _num(res["tau_unseeded"], ".3f"), "-", "-", "-")
-    if res["tokens_per_s_plain"] is not None:
-        t.add_row("plain decoding", "1.000", _num(res["tokens_per_s_plain"], ".2f"), "1.00", "-")
     con.print(t)
     if not ngram and res.get("temperature", 0) > 0:
         con.print("prompt lookup (n-gram) baseline: greedy only, not measured at temperature > 0")
@@ -299,11 +265,6 @@ def eval_command(
     as_json: bool,
 ) -> dict[str, Any]:
     """`dflash-train eval`: load drafter + target, run `evaluate_tau`, print a table or one JSON object."""
-    from dflash_train.config import TargetConfig
-    from dflash_train.export import resolve_drafter_source
-    from dflash_train.model.dflash2 import build_drafter
-    from dflash_train.targets import load_target
-
     if num_prompts < 1:
         raise _err("--num-prompts must be >= 1")
     if max_new_tokens < 1:

@@ -15,8 +15,9 @@ The rule (`propose`), on the sequence ``s`` = prompt + tokens generated so far:
   ends first, at least one);
 * no occurrence at any n: no proposal (an empty list).
 
-`ngram_generate` is greedy speculative decoding with these proposals and the
-target's KV cache, with the semantics of `specdec.speculative_generate`: each
+`ngram_generate` is greedy speculative decoding with these proposals (`PromptLookup`, a
+`BlockProposer` of the one decoding loop, eval/decoding.py `decode`), with the semantics of
+`specdec.speculative_generate`: each
 step ONE target forward verifies ``[last token, proposal...]``; accepted = the
 matching prefix of the proposal, plus the target's own next token (the bonus);
 produced = accepted + 1 (capped by max_new_tokens, cut after a stop token).
@@ -29,13 +30,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
 import torch
 
+from dflash_train.eval.decoding import decode
 from dflash_train.model.lookup import lookup_proposals
-from dflash_train.eval.specdec import _crop_to, _make_target_cache, _TargetRunner
 
-__all__ = ["propose", "ngram_generate"]
+__all__ = ["propose", "PromptLookup", "ngram_generate"]
 
 
 def propose(tokens, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -53,7 +53,38 @@ def propose(tokens, k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]
     return drafts[drafts >= 0].tolist()
 
 
-@torch.inference_mode()
+class PromptLookup:
+    """Prompt lookup as a `Proposer` of a token sequence it holds (a known output, or decoding's
+    output so far) and as `decode`'s `BlockProposer` (greedy; no features)."""
+
+    needs_features = False
+    pad_token_id = 0
+
+    def __init__(self, tokens=(), k: int = 15, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if k < 1:
+            raise ValueError("k (draft tokens per step) must be >= 1")
+        self.tokens = [int(t) for t in tokens]
+        self.k, self.max_ngram, self.min_ngram = int(k), int(max_ngram), int(min_ngram)
+        self.max_block = self.k + 1
+
+    def propose(self, anchor: int, k: int) -> list[int]:
+        return propose(self.tokens[:anchor + 1], min(self.k, int(k)), self.max_ngram, self.min_ngram)
+
+    # ------------------------------------------------------------------ decode's BlockProposer
+
+    def begin(self, hidden_states, prompt_ids: torch.Tensor, first: int) -> None:
+        self.tokens = prompt_ids[0].tolist() + [int(first)]
+
+    def draft(self, output_ids, start, room, temperature, generator):
+        block = torch.tensor([[self.tokens[start]] + self.propose(start, room)], dtype=torch.long,
+                             device=output_ids.device)
+        return block, None
+
+    def advance(self, hidden_states, start, produced, new_tokens) -> None:
+        del self.tokens[start + 1:]
+        self.tokens += list(new_tokens[:produced])
+
+
 def ngram_generate(
     target,
     input_ids: torch.Tensor,
@@ -68,53 +99,5 @@ def ngram_generate(
     Returns (output_ids [1, n + generated], acceptance_lengths), like
     `speculative_generate`; the output equals `plain_generate` (temperature 0).
     """
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must be [1, n], got {tuple(input_ids.shape)}")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    if k < 1:
-        raise ValueError("k (draft tokens per step) must be >= 1")
-    model = target.model
-    device = target.device
-    input_ids = input_ids.to(device)
-    n = int(input_ids.shape[1])
-    max_length = n + int(max_new_tokens)
-    stops = set(int(s) for s in (stop_token_ids or []))
-
-    # seq[:start + 1] = prompt + produced tokens; seq[start] is the last one (not yet in the cache)
-    seq = np.zeros(max_length + 1, dtype=np.int64)
-    seq[:n] = input_ids[0].cpu().numpy()
-    cache = _make_target_cache(model, block_size=k + 1)
-    run = _TargetRunner(target)  # the same target forward + head as DFlash and plain decoding
-    logits, _ = run(input_ids, torch.arange(n, device=device)[None], cache, 1, False)
-    seq[n] = int(torch.argmax(logits[0, -1]).item())
-    del logits
-
-    acceptance_lengths: list[int] = []
-    start = n
-    stopped = int(seq[n]) in stops
-    while start + 1 < max_length and not stopped:
-        draft = propose(seq[:start + 1], min(int(k), max_length - start - 1), max_ngram, min_ngram)
-        vs = 1 + len(draft)
-        block = torch.tensor([[int(seq[start])] + draft], dtype=torch.long, device=device)
-        pos = torch.arange(start, start + vs, device=device)[None]
-        logits, _ = run(block, pos, cache, vs, False)
-        posterior = torch.argmax(logits[0], dim=-1).tolist()  # [vs]
-        del logits
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == posterior[accepted]:
-            accepted += 1
-        new = draft[:accepted] + [posterior[accepted]]
-        produced = min(accepted + 1, max_length - start - 1)
-        for j, tok in enumerate(new[:produced]):
-            if tok in stops:
-                produced = j + 1
-                stopped = True
-                break
-        seq[start + 1:start + 1 + produced] = new[:produced]
-        start += produced
-        _crop_to(cache, start)
-        acceptance_lengths.append(produced)
-
-    out_ids = torch.from_numpy(seq[:min(start + 1, max_length)].copy())[None]
-    return out_ids.to(device=device, dtype=input_ids.dtype), acceptance_lengths
+    return decode(target, PromptLookup((), k, max_ngram, min_ngram), input_ids, max_new_tokens,
+                  stop_token_ids)

@@ -6,8 +6,9 @@ the target's greedy output, the acceptance lengths follow from the drafter's
 proposals at the anchors the decoding visits. Replay computes the features the
 way training does (`Target.capture` on the whole sequence, one document),
 drafts a block at EVERY candidate anchor in one training forward (anchors
-n..T-2), then walks the decoding: at anchor s, accepted = matching prefix of
-the draft against the output, produced = accepted + 1, next anchor s + produced.
+n..T-2), then walks the decoding with the one greedy acceptance (model/acceptance.py
+`walk_acceptance`: at anchor s, accepted = matching prefix of the draft against the output,
+produced = accepted + 1, next anchor s + produced).
 
 Uses:
 * a train/decode consistency check: replayed acceptance equals the acceptance
@@ -21,31 +22,14 @@ Uses:
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
+from dflash_train.model.acceptance import KnownDrafts, walk_acceptance
 from dflash_train.model.on_policy import draft_everywhere
 
-
-def walk_acceptance(output: Sequence[int], n_prompt: int, propose: Callable[[int], Sequence[int]]) -> list[int]:
-    """Acceptance lengths of greedy speculative decoding that produced `output` (prompt + new tokens).
-
-    propose(s) -> the draft tokens for anchor position s (the tokens proposed for
-    positions s+1, s+2, ...). The first new token (position n_prompt) comes from
-    the prefill, as in `speculative_generate`.
-    """
-    T = len(output)
-    s, lengths = int(n_prompt), []
-    while s < T - 1:
-        draft = propose(s)
-        a = 0
-        while a < len(draft) and s + 1 + a < T and int(draft[a]) == int(output[s + 1 + a]):
-            a += 1
-        produced = min(a + 1, T - 1 - s)
-        lengths.append(produced)
-        s += produced
-    return lengths
+__all__ = ["replay_drafts", "replay_acceptance", "walk_acceptance"]
 
 
 @torch.no_grad()
@@ -68,4 +52,4 @@ def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int, see
     if len(output) - 1 <= n_prompt:
         return []
     drafts = replay_drafts(drafter, target, output, n_prompt, seeded).tolist()
-    return walk_acceptance(output, n_prompt, lambda s: drafts[s - n_prompt])
+    return walk_acceptance(output, n_prompt, KnownDrafts(drafts, first=n_prompt))

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.model.drafter import DFlashDrafter, DrafterConfig, Layer
+from dflash_train.model.drafter_config import DFLASH2_KEYS
+from dflash_train.model.hf_config import is_dflash2
 
 DFLASH2 = "dflash2"
 
@@ -318,7 +320,7 @@ def from_export_names(sd: dict) -> dict:
 def export_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of the DFlash 2 additions for an exported config.json dict `c`
     (empty for a DFlash 1 config)."""
-    if "DFlash2DraftModel" not in (c.get("architectures") or []):
+    if not is_dflash2(c):
         return {}
     dfc = c.get("dflash_config") or {}
     H, V = int(c["hidden_size"]), int(c["vocab_size"])
@@ -336,11 +338,11 @@ def export_shapes(c: dict) -> dict[str, tuple[int, ...]]:
 
 def config_problems(c: dict) -> list[str]:
     """What an engine's DFlash 2 loader would refuse in config.json dict `c` (none for DFlash 1)."""
-    if "DFlash2DraftModel" not in (c.get("architectures") or []):
+    if not is_dflash2(c):
         return []
     dfc = c.get("dflash_config") or {}
     P = []
-    for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+    for k in DFLASH2_KEYS:
         v = dfc.get(k)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             P.append(f"dflash_config.{k} is {v!r}, not a positive integer (DFlash2DraftModel needs it)")

@@ -21,6 +21,7 @@ import torch
 
 from dflash_train.model.lookup import seed_blocks
 from dflash_train.model.objectives import Objective, chunk_terms, dpace_weights
+from dflash_train.model.target import TargetHead
 
 # gamma of the method for the published block sizes
 _GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -162,15 +163,15 @@ class _ChunkedObjective(torch.autograd.Function):
         return grad * grad_total.to(grad.dtype), None, None, None, None, None, None, None, None
 
 
-def _head(target, vocab_subset: torch.Tensor | None):
+def _head(target: TargetHead, vocab_subset: torch.Tensor | None):
     """(lm_head rows, multiplier, soft-cap) as in target.logits: lm_head, then the target's
     multiplier and soft-cap. Both are elementwise, so a subset's logits equal the full
     logits restricted to those ids."""
     W = target.lm_head_weight.detach()
     if vocab_subset is not None:
         W = W[vocab_subset]
-    mult = float(getattr(target, "output_multiplier", 1.0) or 1.0)
-    cap = getattr(target, "final_logit_softcapping", None)
+    mult = float(target.output_multiplier)
+    cap = target.final_logit_softcapping
     cap = float(cap) if cap is not None and float(cap) > 0 else None
     return W, mult, cap
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_train.model.acceptance import matching_prefix, walk
 from dflash_train.model.lookup import seed_blocks
 from dflash_train.model.loss import _head, sample_anchors, unwrap
 
@@ -56,7 +57,7 @@ def draft_everywhere(drafter, target, input_ids, document_ids, features, ok, voc
     block = torch.full((B, A, bs), int(core.cfg.mask_token_id), dtype=torch.long, device=input_ids.device)
     block[:, :, 0] = torch.gather(input_ids, 1, anchors)
     if seeded is None:
-        seeded = getattr(core.cfg, "block_seeds", "none") == "prompt_lookup"
+        seeded = core.cfg.block_seeds == "prompt_lookup"
     if seeded:
         block = seed_blocks(block, input_ids, document_ids, anchors)
     dtype = core.fc.weight.dtype
@@ -87,12 +88,13 @@ def visited_anchors(input_ids: torch.Tensor, ok: torch.Tensor, drafts: torch.Ten
     """[B, T] bool: the anchors greedy decoding visits when it writes each answer span.
 
     A span starts at a valid anchor whose previous position is not one (the answer's first
-    token, which the target's prefill gives); at anchor s the draft's prefix matching
-    input_ids[s+1:] is accepted and decoding moves to s + accepted + 1."""
+    token, which the target's prefill gives); the decoding walk over it is the one greedy
+    acceptance (`acceptance.walk`), with each anchor's matching prefix computed for all anchors
+    at once."""
     B, T = ok.shape
     k = torch.arange(1, drafts.shape[-1] + 1, device=ok.device)
     truth = input_ids[:, (torch.arange(T, device=ok.device)[:, None] + k).clamp(max=T - 1)]  # [B, T, bs-1]
-    match = (drafts == truth).long().cumprod(-1).sum(-1).tolist()  # the draft's matching prefix per anchor
+    match = matching_prefix(drafts, truth).tolist()  # the draft's matching prefix per anchor
     okl = ok.tolist()
     rows: list[int] = []
     cols: list[int] = []
@@ -105,10 +107,10 @@ def visited_anchors(input_ids: torch.Tensor, ok: torch.Tensor, drafts: torch.Ten
             end = s  # the span's valid anchors are s..end-1; its last token, at `end`, ends decoding
             while end < T and okl[b][end]:
                 end += 1
-            while s < end:
+            for anchor, _ in walk(s, end, match[b].__getitem__):
                 rows.append(b)
-                cols.append(s)
-                s += min(match[b][s], end - s - 1) + 1
+                cols.append(anchor)
+            s = end
     visited = torch.zeros_like(ok)
     visited[rows, cols] = True
     return visited

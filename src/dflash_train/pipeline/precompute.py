@@ -30,18 +30,19 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dflash_train.errors import UserError
-from dflash_train.pipeline.batch import TrainBatch
-from dflash_train.rundir import atomic_write_json, sha256_file
 from dflash_train.data import load_prepared
 from dflash_train.data.sources import Conversation
+from dflash_train.errors import UserError
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
+from dflash_train.pipeline.batch import TrainBatch
+from dflash_train.rundir import atomic_write_json, sha256_file
 from dflash_train.targets import load_target
 from dflash_train.utils import save_safetensors
 
 log = logging.getLogger("dflash_train")
 FORMAT = 1
+PRECOMPUTED = "precomputed:"  # the data.source prefix of precomputed features
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -51,7 +52,6 @@ class PrecomputeError(UserError):
 
 def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard: int = 256,
                         progress=None) -> Path:
-
     if dtype not in DTYPES:
         raise PrecomputeError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}")
     out = Path(out)
@@ -114,9 +114,19 @@ def precompute_command(cfg, out: Path, dtype: str, rows_per_shard: int) -> None:
                   f"{index['dtype']} -> {path}\ntrain from it with: data.source=precomputed:{path}")
 
 
+def read_precomputed_heldout(path: Path) -> list[Conversation]:
+    """The held-out conversations a precompute directory was made with (its index.json; the
+    shards are not read)."""
+    idx = Path(path) / "index.json"
+    try:
+        index = json.loads(idx.read_text())
+    except (OSError, ValueError) as e:
+        raise PrecomputeError(f"{idx}: cannot read the precomputed features' index: {e}") from None
+    return [Conversation.from_json(c) for c in index.get("heldout", [])]
+
+
 class PrecomputedFeatures:
     """Reads a precompute directory; verifies every shard's checksum on open."""
-
     def __init__(self, path: Path, verify: bool = True) -> None:
         self.path = Path(path)
         idx = self.path / "index.json"
@@ -151,7 +161,6 @@ class PrecomputedFeatures:
         return list(self.index["layer_ids"])
 
     def heldout(self):
-
         return [Conversation.from_json(c) for c in self.index.get("heldout", [])]
 
     def features(self, rows: list[int]) -> torch.Tensor:
@@ -168,7 +177,6 @@ class PrecomputedFeatures:
 
 class PrecomputedBatchSource:
     """`BatchSource` over a precompute directory: no target forward at all."""
-
     device = torch.device("cpu")
 
     def __init__(self, pre: PrecomputedFeatures, order, batch_size: int, feature_dtype: torch.dtype) -> None:

@@ -132,7 +132,8 @@ def document_attention_mask(document_ids: torch.Tensor, sliding_window: int | No
 
 
 class Target:
-    """A frozen causal LM with the interface the trainer needs (see docs/architecture.md)."""
+    """A frozen causal LM with the interface the drafter's side reads (model/target.py
+    `DecodingTarget`, declared there)."""
 
     def __init__(self, model, tokenizer, family: str | None = None, source: str = ""):
         self.model = model

@@ -26,8 +26,9 @@ class InTrainingEval:
     def due(self, step: int) -> bool:
         return bool(self.cfg.eval.every_steps) and step % self.cfg.eval.every_steps == 0
 
-    def pick_prompts(self, heldout, tok_source) -> None:
-        """At start-up: the held-out prompts. None usable -> the eval is disabled with a warning."""
+    def pick_prompts(self, target) -> None:
+        """At start-up: the run's held-out eval prompts (the evaluator's `pick_prompts`, the same
+        ones the final eval scores). None usable -> the eval is disabled with a warning."""
         cfg = self.cfg
         if not self.active:
             return
@@ -36,13 +37,13 @@ class InTrainingEval:
             log.warning("in-training eval disabled: %s", self.disabled)
             return
         try:
-            prompts = self.evaluator.pick_prompts(heldout, tok_source, cfg.data.max_tokens)
+            prompts = self.evaluator.pick_prompts(target)
         except Exception as e:  # noqa: BLE001 - eval problems never end a run
             prompts = []
-            why = f"cannot format held-out prompts ({type(e).__name__}: {e})"
+            why = f"cannot read or format the held-out prompts ({type(e).__name__}: {e})"
         else:
-            why = (f"no held-out conversation (data.heldout_fraction={cfg.data.heldout_fraction}, "
-                   f"{len(heldout)} held out) has a prompt that fits data.max_tokens={cfg.data.max_tokens}")
+            why = (f"no held-out conversation of {cfg.data.source} (data.heldout_fraction="
+                   f"{cfg.data.heldout_fraction}) has a prompt that fits data.max_tokens={cfg.data.max_tokens}")
         if not prompts:
             self.disabled = why
             log.warning("in-training eval disabled: %s; training continues without it "
@@ -53,12 +54,12 @@ class InTrainingEval:
                         len(prompts), cfg.data.max_tokens, cfg.eval.num_prompts)
         self.prompts = prompts
 
-    def run(self, step: int, drafter, target, heldout, metrics) -> float | None:
+    def run(self, step: int, drafter, target, metrics) -> float | None:
         """tau at `step` (logged to `metrics`), or None where no eval ran (not the leader, disabled, failed)."""
         if not self.active or self.disabled:
             return None
         if self.prompts is None:
-            self.pick_prompts(heldout, target)
+            self.pick_prompts(target)
             if not self.prompts:
                 return None
         prompts = self.prompts

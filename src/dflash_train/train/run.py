@@ -154,7 +154,7 @@ class Trainer:
         if self._given_target is not None:
             self._log_target(self.target, 0.0)
         self._cap_anchors(int(self.data.input_ids.shape[1]))
-        self.evals.pick_prompts(self.data.heldout, self.target)
+        self.evals.pick_prompts(self.target)
         self.drafter_cfg = DrafterConfig.from_target(cfg.model, self.target)
         torch.manual_seed(cfg.train.seed)
         self.drafter = build_drafter(self.drafter_cfg, seed=cfg.train.seed).to(self.device)
@@ -395,7 +395,7 @@ class Trainer:
 
     def _in_training_eval(self, metrics) -> None:
         """Every rank takes part (the `best` decision is broadcast); the leader evaluates."""
-        tau = self.evals.run(self.state.step, self.drafter, self.target, self.data.heldout, metrics)
+        tau = self.evals.run(self.state.step, self.drafter, self.target, metrics)
         improved = tau is not None and (self.state.best_tau is None or tau > self.state.best_tau)
         if improved:
             self.state.best_tau = tau
