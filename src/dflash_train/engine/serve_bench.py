@@ -38,6 +38,7 @@ from dflash_train.errors import UserError
 from dflash_train.eval.command import _heldout_from_run, _jsonable
 from dflash_train.eval.prompts import encode_prompts, read_prompts_file
 from dflash_train.export import export_checkpoint, resolve_drafter_source
+from dflash_train.results import ENGINE_COLUMNS, engine_cells, engine_rows
 from dflash_train.targets import converted_dir, load_target, load_tokenizer
 from dflash_train.targets.gguf import gguf_path_of
 
@@ -203,16 +204,10 @@ def print_engine_table(res: dict[str, Any], title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title)
-    for c in ("method", "k", "tau", "tokens/draft", "tok/s", "vs plain", "lossless"):
+    for c in ENGINE_COLUMNS:
         t.add_column(c, justify="left" if c == "method" else "right")
-
-    def f(v, spec):
-        return "-" if v is None or v != v else format(v, spec)
-
-    for r in res["rows"]:
-        t.add_row(r["label"], str(r["k"] or "-"), f(r["tau"], ".3f"),
-                  f(r["tokens_per_draft"], ".3f"), f(r["tokens_per_s"], ".2f"), f(r["speedup"], ".2f"),
-                  "-" if r["lossless"] is None else ("yes" if r["lossless"] else "NO"))
+    for row in engine_rows(res):
+        t.add_row(*engine_cells(row))
     con = Console()
     con.print(t)
     con.print(f"vLLM {res['vllm_version']}, {res['dtype']}, {res['num_prompts']} prompts x <= {res['max_new_tokens']} "
