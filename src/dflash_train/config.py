@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dflash_train.errors import parse_file
 from dflash_train.rundir import RunDir, atomic_write_text
 
 # targets shipped in PyPI packages (targets/gguf.py finds their files). The default is the instruct
@@ -329,12 +330,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         p = Path(path)
         origin = str(p)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        loaded = parse_file(p, yaml.safe_load, ConfigError, f"config file not found: {p}",
+                            lambda e: f"{p}: not valid YAML: {e}", (yaml.YAMLError,))
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
