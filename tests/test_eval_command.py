@@ -187,6 +187,28 @@ def test_eval_result_rows_join_one_table(setup):
     assert engine.to_dict()["measured_by"] == "vllm"
 
 
+def test_engine_rows_render_through_method_row():
+    """An engine measurement's dict rows (serve-bench --json, summary.json) keep their keys; rendered,
+    they are MethodRows measured by vLLM with the engine-only columns k and tokens per draft."""
+    from dflash_train.engine.serve_bench import summarise
+    from dflash_train.results import ENGINE_COLUMNS, engine_cells, engine_rows
+
+    out = [[1, 2, 3, 4]] * 2
+    methods = [{"name": "plain", "outputs": out, "seconds": 2.0, "load_seconds": 1.0},
+               {"name": "dflash", "k": 15, "outputs": out, "seconds": 1.0, "load_seconds": 1.0,
+                "spec_decode_num_accepted_tokens": 4, "spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 30}]
+    rows = summarise(methods, num_prompts=2)
+    assert {"method", "label", "k", "tau", "tokens_per_draft", "drafts", "draft_tokens", "accepted_tokens",
+            "tokens_per_s", "speedup", "lossless"} <= set(rows[1])
+    plain, dfl = engine_rows({"rows": rows})
+    assert (dfl.method, dfl.measured_by, dfl.k, dfl.tokens_per_draft) == ("DFlash (vLLM)", "vllm", 15, 3.0)
+    assert plain.reference and not dfl.reference
+    assert ENGINE_COLUMNS == ("method", "k", "tau", "tokens/draft", "tok/s", "vs plain", "lossless")
+    assert engine_cells(plain) == ["plain vLLM", "-", "1.000", "-", "4.00", "1.00", "yes"]
+    assert engine_cells(dfl) == ["DFlash (vLLM)", "15", "3.000", "3.000", "8.00", "2.00", "yes"]
+    assert engine_cells(plain, missing="n/a", speedup_suffix="x")[3:6] == ["n/a", "4.00", "1.00x"]
+
+
 def test_heldout_prompts_shapes():
     from dflash_train.data.sources import Conversation
 

@@ -42,6 +42,13 @@ def _guard(fn):
         _fail(f"file not found: {e.filename or e}")
 
 
+def _load_config(config: Path | None, overrides: List[str] | None):
+    """A command's config: the YAML file (None: the built-in defaults) with the overrides on top."""
+    from dflash_train.config import load_config
+
+    return load_config(config, overrides or [])
+
+
 # --------------------------------------------------------------------------- train
 
 
@@ -78,10 +85,9 @@ def demo(
     """The main job on the embedded default: prepare data, train, eval, export, report."""
 
     def go():
-        from dflash_train.config import load_config
         from dflash_train.demo import run_demo
 
-        cfg = load_config(config, overrides or [])
+        cfg = _load_config(config, overrides)
         raise typer.Exit(run_demo(cfg, run_dir or Path("runs") / cfg.name))
 
     _guard(go)
@@ -138,9 +144,7 @@ def prepare_data(
     """Tokenise + template + loss-mask once into a cached dataset on disk."""
 
     def go():
-        from dflash_train.config import load_config
-
-        prepare_command(load_config(config, overrides or []), out)
+        prepare_command(_load_config(config, overrides), out)
 
     _guard(go)
 
@@ -159,11 +163,10 @@ def regenerate(
     """Rewrite assistant turns with the target itself (greedy, batched, resumable)."""
 
     def go():
-        from dflash_train.config import load_config
         from dflash_train.data.regenerate import regenerate_conversations
         from dflash_train.targets import load_target, load_tokenizer
 
-        cfg = load_config(config, overrides or [])
+        cfg = _load_config(config, overrides)
         if engine not in ("trainer", "vllm"):
             raise UserError(f"--engine {engine!r}: choose trainer or vllm")
         if engine == "vllm":
@@ -190,10 +193,9 @@ def precompute(
     """Capture target hidden states to disk for offline training."""
 
     def go():
-        from dflash_train.config import load_config
         from dflash_train.pipeline.precompute import precompute_command
 
-        precompute_command(load_config(config, overrides or []), out, dtype, rows_per_shard)
+        precompute_command(_load_config(config, overrides), out, dtype, rows_per_shard)
 
     _guard(go)
 

@@ -41,7 +41,19 @@ from typing import Any, Sequence
 import torch
 
 from dflash_train.config import ConfigError, load_config
+from dflash_train.data.sources import read_conversations
+from dflash_train.engine.serve_bench import measure_in_vllm, served_target_dir
 from dflash_train.errors import UserError
+from dflash_train.eval.command import evaluate_tau
+from dflash_train.eval.ngram import PromptLookup
+from dflash_train.eval.prompts import encode_prompts, eval_prompts
+from dflash_train.eval.replay import replay_acceptance
+from dflash_train.eval.specdec import plain_generate
+from dflash_train.export import export_checkpoint, resolve_drafter_source
+from dflash_train.model.acceptance import walk_acceptance
+from dflash_train.model.dflash2 import build_drafter
+from dflash_train.rundir import read_metrics, read_record
+from dflash_train.targets import load_target
 
 RESULTS_FILE = "compare.json"
 FINISHED = ("max_steps", "time budget")  # stop reasons of a run that used its whole budget
@@ -103,14 +115,10 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def _run_record(run_dir: Path) -> dict:
-    from dflash_train.rundir import read_record
-
     return read_record(run_dir) or {}
 
 
 def _train_stats(run_dir: Path) -> dict[str, Any]:
-    from dflash_train.rundir import read_metrics
-
     steps = [r for r in read_metrics(run_dir) if "loss" in r]
     if not steps:
         return {"steps": 0}
@@ -172,9 +180,6 @@ def train_variant(config: Path, shared: Sequence[str], v: Variant, run_dir: Path
 
 def greedy_outputs(target, prompts: Sequence[str], max_new_tokens: int, cache_dir: Path) -> list[tuple[list[int], int]]:
     """(prompt + greedy new tokens, prompt length) per prompt, cached by prompts, length and target."""
-    from dflash_train.eval.prompts import encode_prompts
-    from dflash_train.eval.specdec import plain_generate
-
     key = hashlib.sha256(json.dumps([list(prompts), max_new_tokens, str(target)]).encode()).hexdigest()[:16]
     f = cache_dir / f"greedy-{key}.json"
     if f.exists():
@@ -190,9 +195,6 @@ def greedy_outputs(target, prompts: Sequence[str], max_new_tokens: int, cache_di
 
 def training_answers(target, regenerated: str, n: int) -> list[tuple[list[int], int]]:
     """The first n target-written training answers as (prompt + answer ids, prompt length)."""
-    from dflash_train.data.sources import read_conversations
-    from dflash_train.eval.prompts import encode_prompts
-
     convs, _ = read_conversations(f"jsonl:{regenerated}", n)
     convs = convs[:n]
     ids, _ = encode_prompts(target, [c.prompt for c in convs])
@@ -201,9 +203,6 @@ def training_answers(target, regenerated: str, n: int) -> list[tuple[list[int], 
 
 
 def ngram_tau(outputs, k: int) -> float:
-    from dflash_train.eval.ngram import PromptLookup
-    from dflash_train.model.acceptance import walk_acceptance
-
     acc: list[int] = []
     for seq, n in outputs:
         acc += walk_acceptance(seq, n, PromptLookup(seq, k))
@@ -211,8 +210,6 @@ def ngram_tau(outputs, k: int) -> float:
 
 
 def drafter_tau(drafter, target, outputs, seeded: bool | None = None) -> float:
-    from dflash_train.eval.replay import replay_acceptance
-
     acc: list[int] = []
     for seq, n in outputs:
         acc += replay_acceptance(drafter, target, seq, n, seeded)
@@ -220,9 +217,6 @@ def drafter_tau(drafter, target, outputs, seeded: bool | None = None) -> float:
 
 
 def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: int, decode: bool) -> dict[str, Any]:
-    from dflash_train.export import resolve_drafter_source
-    from dflash_train.model.dflash2 import build_drafter
-
     src = resolve_drafter_source(run_dir)
     drafter = build_drafter(src.config).to(target.device)
     drafter.load_state_dict(src.state_dict)
@@ -234,8 +228,6 @@ def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: in
     if seen:
         row.update(tau_train_answers=drafter_tau(drafter, target, seen), tau_ngram_train_answers=ngram_tau(seen, k))
     if decode:
-        from dflash_train.eval.command import evaluate_tau
-
         r = evaluate_tau(drafter, target, prompts, max_new_tokens)
         row["decode"] = {key: r[key] for key in ("tau", "tau_ngram", "tokens_per_s_plain", "tokens_per_s_spec",
                                                   "tokens_per_s_ngram", "speedup", "speedup_ngram",
@@ -284,10 +276,6 @@ def engine_scores(target_path: str, target, prompts, max_new_tokens: int, out: P
                   names: Sequence[str]) -> dict[str, dict]:
     """Every variant's export in vLLM: {name: {tau_engine, tokens_per_s_engine, speedup_engine, lossless_engine,
     tau_engine_ngram, tokens_per_s_engine_plain}}; plain vLLM and its n-gram are served once."""
-    from dflash_train.engine.serve_bench import measure_in_vllm, served_target_dir
-    from dflash_train.eval.prompts import encode_prompts
-    from dflash_train.export import export_checkpoint
-
     ids, stops = encode_prompts(target, prompts)
     target_dir = served_target_dir(target_path)
     exports = {n: export_checkpoint(out / n, out / n / "export", force=True) for n in names}
@@ -312,9 +300,6 @@ def engine_scores(target_path: str, target, prompts, max_new_tokens: int, out: P
 def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str], out: Path,
                 num_prompts: int = 12, max_new_tokens: int = 64, decode: bool = False,
                 num_train_answers: int | None = None, engine: bool = False) -> dict[str, dict]:
-    from dflash_train.eval.prompts import eval_prompts
-    from dflash_train.targets import load_target
-
     variants = parse_variants(variant_specs)
     if not Path(config).is_file():
         raise UserError(f"--config {config}: no such file")

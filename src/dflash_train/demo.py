@@ -26,8 +26,24 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from dflash_train.config import RunConfig
+from dflash_train.data import load_prepared
+from dflash_train.data.regenerate import regenerate_conversations
+from dflash_train.engine.serve_bench import measure_in_vllm, print_engine_table, served_target_dir, vllm_answers
+from dflash_train.eval.command import evaluate_tau
+from dflash_train.eval.in_training import HeldoutEval
+from dflash_train.eval.prompts import encode_prompts, eval_prompts
+from dflash_train.eval.replay import replay_acceptance
+from dflash_train.eval.specdec import tau_of
+from dflash_train.export import export_checkpoint, resolve_drafter_source
+from dflash_train.model.dflash2 import build_drafter
+from dflash_train.model.drafter import DrafterConfig
+from dflash_train.report import comparison_rows, explanation, fmt_num, write_report
+from dflash_train.targets import load_target
+from dflash_train.train.run import run_training
 
 console = Console(stderr=True)
 PHASES = 6
@@ -39,10 +55,6 @@ def _phase(n: int, what: str) -> float:
 
 
 def _eval(drafter, target, prompts, cfg, measure_plain: bool, label: str, measure_ngram: bool = False) -> dict:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from dflash_train.eval.command import evaluate_tau
-
     with Progress(TextColumn(f"[bold]eval {label}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar:
         task = bar.add_task(label, total=len(prompts))
@@ -80,14 +92,8 @@ def demo_summary(res_trained: dict, res_untrained: dict, **extra) -> dict:
 
 def print_comparison(summary: dict, out: Console | None = None) -> None:
     """The side-by-side table (trained, untrained, prompt lookup, plain) with plain-words notes."""
-    from rich.table import Table
-
-    from dflash_train.report import comparison_rows, explanation, fmt_num
-
     out = out or console
     if summary.get("judge") == "engine":
-        from dflash_train.engine.serve_bench import print_engine_table
-
         print_engine_table(summary["engine"], "served by vLLM on the held-out prompts")
         for line in explanation(summary):
             out.print(f"  {line}", markup=False)
@@ -124,13 +130,9 @@ def engine_summary(engine: dict, replay_tau: float | None, **extra) -> dict:
 
 
 def _regenerate(cfg: RunConfig, target, out: Path) -> None:
-    from dflash_train.data.regenerate import regenerate_conversations
-
     demo = cfg.demo
     generate = None
     if demo.regenerate_engine == "vllm":
-        from dflash_train.engine.serve_bench import vllm_answers
-
         generate = vllm_answers(cfg.target.path, log=lambda m: console.print(m, markup=False))
     regenerate_conversations(cfg, out, max_conversations=demo.regenerate_conversations,
                              max_new_tokens=demo.regenerate_tokens, batch_size=demo.regenerate_batch,
@@ -140,13 +142,6 @@ def _regenerate(cfg: RunConfig, target, out: Path) -> None:
 def _judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path, run_dir: Path) -> dict:
     """The export served by vLLM beside plain vLLM and vLLM's n-gram; our replay tau of the same
     drafter on plain vLLM's outputs (masks only, as the engine drafts) for the agreement check."""
-    from dflash_train.engine.serve_bench import measure_in_vllm, served_target_dir
-    from dflash_train.eval.prompts import encode_prompts
-    from dflash_train.eval.replay import replay_acceptance
-    from dflash_train.eval.specdec import tau_of
-    from dflash_train.export import resolve_drafter_source
-    from dflash_train.model.dflash2 import build_drafter
-
     ids, stops = encode_prompts(target, prompts)
     engine = measure_in_vllm(export_dir, served_target_dir(cfg.target.path), ids, stops, cfg.eval.max_new_tokens,
                              log=lambda m: console.print(m, markup=False))
@@ -161,16 +156,6 @@ def _judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path, run_dir:
 
 
 def run_demo(cfg: RunConfig, run_dir: Path) -> int:
-    from dflash_train.data import load_prepared
-    from dflash_train.eval.prompts import eval_prompts
-    from dflash_train.export import export_checkpoint, resolve_drafter_source
-    from dflash_train.model.dflash2 import build_drafter
-    from dflash_train.model.drafter import DrafterConfig
-    from dflash_train.report import write_report
-    from dflash_train.targets import load_target
-    from dflash_train.eval.in_training import HeldoutEval
-    from dflash_train.train.run import run_training
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()

@@ -12,7 +12,7 @@ from typing import Any
 from dflash_train import rundir
 from dflash_train.model.dflash2 import SERVING_NOTE
 from dflash_train.serving_check import embedding_scale_warning, launch_commands
-from dflash_train.results import MethodRow, plain_row
+from dflash_train.results import ENGINE_COLUMNS, MethodRow, engine_cells, engine_rows, plain_row
 
 
 EXPLANATION = [
@@ -44,14 +44,6 @@ ENGINE_EXPLANATION = [
     "our replay tau = the same drafter's masks-only tau by our own replay on plain vLLM's outputs: "
     "the engine's figure and ours should agree.",
 ]
-
-
-def engine_rows(summary: dict[str, Any]) -> list[tuple[str, Any, Any, Any, Any, Any]]:
-    """(method, k, tau, tokens/draft, tok/s, vs plain, lossless) of a demo judged by the engine."""
-    return [(r.get("label", r["method"]), r.get("k") or "-", r.get("tau"), r.get("tokens_per_draft"),
-             r.get("tokens_per_s"), r.get("speedup"),
-             "-" if r.get("lossless") is None else ("yes" if r["lossless"] else "NO"))
-            for r in (summary.get("engine") or {}).get("rows", [])]
 
 
 def explanation(summary: dict[str, Any]) -> list[str]:
@@ -177,10 +169,9 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     if summary.get("judge") == "engine":
         eng = summary.get("engine") or {}
         lines += [f"## Served by vLLM {eng.get('vllm_version', '')} ({eng.get('dtype', '')}): DFlash vs n-gram vs plain",
-                  "", "| method | k | tau | tokens/draft | tok/s | vs plain | lossless |", "|---|---|---|---|---|---|---|"]
-        for name, k, tau, tpd, tps, sp, ll in engine_rows(summary):
-            lines.append(f"| {name} | {k} | {fmt_num(tau, '.3f')} | {fmt_num(tpd, '.3f')} | {fmt_num(tps, '.2f')} | "
-                         f"{fmt_num(sp, '.2f', 'x')} | {ll} |")
+                  "", "| " + " | ".join(ENGINE_COLUMNS) + " |", "|" + "---|" * len(ENGINE_COLUMNS)]
+        for row in engine_rows(eng):
+            lines.append("| " + " | ".join(engine_cells(row, missing="n/a", speedup_suffix="x")) + " |")
         lines += ["", f"Our replay tau of the same drafter on plain vLLM's outputs: "
                       f"{fmt_num(summary.get('tau_replay_dflash'), '.3f')} (engine: "
                       f"{fmt_num(summary.get('tau_engine_dflash'), '.3f')})."]

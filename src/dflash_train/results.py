@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,9 @@ class MethodRow:
     measured_by: str = "dflash-train"  # where: our decoding loop, or an engine ("vllm", "sglang")
     decoded: bool = True  # False: a tau by replay, no decoding (the time columns do not apply)
     reference: bool = False  # plain decoding itself: what "lossless" compares with
+    # measured in an engine only (None elsewhere): its draft length, tokens per step that had a draft
+    k: int | None = None
+    tokens_per_draft: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -73,3 +76,31 @@ def plain_row(tokens_per_s: float | None, method: str = "plain decoding") -> Met
 
 def rows_to_dicts(rows: Sequence[MethodRow]) -> list[dict[str, Any]]:
     return [r.to_dict() for r in rows]
+
+
+# ----------------------------------------------------------------- rows measured in a serving engine
+
+ENGINE_COLUMNS = ("method", "k", "tau", "tokens/draft", "tok/s", "vs plain", "lossless")
+
+
+def engine_row(r: Mapping[str, Any], measured_by: str = "vllm") -> MethodRow:
+    """One row of an engine measurement (`engine.serve_bench.summarise`'s dicts: what
+    `serve-bench --json` prints and the demo's summary.json keeps) as a MethodRow, with the
+    engine-only columns k and tokens per draft; lossless is against the engine's own plain run."""
+    return MethodRow(r.get("label", r["method"]), r.get("tau"), r.get("tokens_per_s"), r.get("speedup"),
+                     r.get("lossless"), measured_by=measured_by, reference=r["method"] == "plain",
+                     k=r.get("k"), tokens_per_draft=r.get("tokens_per_draft"))
+
+
+def engine_rows(measurement: Mapping[str, Any], measured_by: str = "vllm") -> list[MethodRow]:
+    """The rows of one engine measurement (`engine.serve_bench.measure_in_vllm`'s result, also the
+    demo's summary["engine"]) as MethodRows."""
+    return [engine_row(r, measured_by) for r in measurement.get("rows", [])]
+
+
+def engine_cells(row: MethodRow, missing: str = "-", speedup_suffix: str = "") -> list[str]:
+    """An engine row as text, in ENGINE_COLUMNS order (no k for plain decoding; lossless "-" when
+    not compared with a plain run)."""
+    return [row.method, str(row.k or "-"), fmt(row.tau, ".3f", missing), fmt(row.tokens_per_draft, ".3f", missing),
+            fmt(row.tokens_per_s, ".2f", missing), fmt(row.speedup, ".2f", missing, speedup_suffix),
+            "-" if row.lossless is None else ("yes" if row.lossless else "NO")]

@@ -48,6 +48,7 @@ from dflash_train.data.sources import (
 )
 from dflash_train.data.augment import copy_task_documents
 from dflash_train.data.template import ChatFormat, TemplateMismatch
+from dflash_train.errors import parse_file
 from dflash_train.utils import save_safetensors
 
 log = logging.getLogger(__name__)
@@ -255,12 +256,8 @@ def read_prepared(path: Path) -> PreparedData:
 
     path = Path(path)
     idx_file = path / "index.json"
-    if not idx_file.is_file():
-        raise DataError(f"{path} is not a prepared-data directory (no index.json)")
-    try:
-        index = json.loads(idx_file.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{idx_file}: unreadable ({e})") from None
+    index = parse_file(idx_file, json.loads, DataError, f"{path} is not a prepared-data directory (no index.json)",
+                       lambda e: f"{idx_file}: unreadable ({e})", (json.JSONDecodeError,))
     if index.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: prepared-data format {index.get('format_version')}, this version reads {FORMAT_VERSION}; "
                         "run prepare-data again")

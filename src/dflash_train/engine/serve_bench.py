@@ -33,7 +33,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from dflash_train.config import TargetConfig, read_run_config
 from dflash_train.errors import UserError
+from dflash_train.eval.command import _heldout_from_run, _jsonable
+from dflash_train.eval.prompts import encode_prompts, read_prompts_file
+from dflash_train.export import export_checkpoint, resolve_drafter_source
+from dflash_train.results import ENGINE_COLUMNS, engine_cells, engine_rows
+from dflash_train.targets import converted_dir, load_target, load_tokenizer
+from dflash_train.targets.gguf import gguf_path_of
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 REPO_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
@@ -60,10 +67,6 @@ def vllm_python() -> Path:
 def served_target_dir(target_path: str) -> Path:
     """The HF directory vLLM loads for a target spec: the directory itself, or for a GGUF /
     embedded target the de-quantised copy the trainer's loader caches (converted here once)."""
-    from dflash_train.config import TargetConfig
-    from dflash_train.targets import converted_dir, load_target
-    from dflash_train.targets.gguf import gguf_path_of
-
     if gguf_path_of(target_path) is None:
         return Path(target_path).expanduser()
     cdir = converted_dir(target_path)
@@ -201,16 +204,10 @@ def print_engine_table(res: dict[str, Any], title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title)
-    for c in ("method", "k", "tau", "tokens/draft", "tok/s", "vs plain", "lossless"):
+    for c in ENGINE_COLUMNS:
         t.add_column(c, justify="left" if c == "method" else "right")
-
-    def f(v, spec):
-        return "-" if v is None or v != v else format(v, spec)
-
-    for r in res["rows"]:
-        t.add_row(r["label"], str(r["k"] or "-"), f(r["tau"], ".3f"),
-                  f(r["tokens_per_draft"], ".3f"), f(r["tokens_per_s"], ".2f"), f(r["speedup"], ".2f"),
-                  "-" if r["lossless"] is None else ("yes" if r["lossless"] else "NO"))
+    for row in engine_rows(res):
+        t.add_row(*engine_cells(row))
     con = Console()
     con.print(t)
     con.print(f"vLLM {res['vllm_version']}, {res['dtype']}, {res['num_prompts']} prompts x <= {res['max_new_tokens']} "
@@ -222,11 +219,6 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_pro
                         methods: Sequence[str], as_json: bool, dtype: str | None = None) -> dict[str, Any]:
     """`dflash-train serve-bench`: the export (or a run's / checkpoint's drafter, exported to a
     temporary dir first) served by vLLM on held-out prompts (or a prompts file)."""
-    from dflash_train.eval.command import _heldout_from_run, _jsonable
-    from dflash_train.eval.prompts import encode_prompts, read_prompts_file
-    from dflash_train.export import export_checkpoint, resolve_drafter_source
-    from dflash_train.targets import load_tokenizer
-
     bad = [m for m in methods if m not in LABELS]
     if bad:
         raise UserError(f"--method {bad[0]!r}: choose from {', '.join(LABELS)}")
@@ -239,8 +231,6 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_pro
     if not target_path:
         raise UserError(f"{src.path}: no target recorded; pass --target")
     prompt_list = None if prompts == "heldout" else read_prompts_file(prompts, num_prompts)
-    from dflash_train.config import TargetConfig
-
     tok, family = load_tokenizer(TargetConfig(path=target_path))
     shim = TokenizerOnly(tok, family)
     if prompt_list is None:
@@ -271,8 +261,6 @@ class TokenizerOnly:
 def _run_config_near(src):
     """The run's config for held-out prompts: the source's run dir, or the run an export sits in
     (RUN/export) or was exported from (its recorded checkpoint)."""
-    from dflash_train.config import read_run_config
-
     cands = [src.run_dir] if src.run_dir is not None else []
     if src.kind == "export":
         cands.append(Path(src.path).resolve().parent)

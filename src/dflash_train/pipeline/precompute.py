@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from dflash_train.data import load_prepared
 from dflash_train.data.sources import Conversation
-from dflash_train.errors import UserError
+from dflash_train.errors import UserError, parse_file
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
 from dflash_train.pipeline.batch import TrainBatch
@@ -130,12 +130,9 @@ class PrecomputedFeatures:
     def __init__(self, path: Path, verify: bool = True) -> None:
         self.path = Path(path)
         idx = self.path / "index.json"
-        if not idx.is_file():
-            raise PrecomputeError(f"{self.path}: no index.json (not a precompute directory, or incomplete)")
-        try:
-            self.index = json.loads(idx.read_text())
-        except json.JSONDecodeError as e:
-            raise PrecomputeError(f"{idx}: not valid JSON ({e})") from None
+        self.index = parse_file(idx, json.loads, PrecomputeError,
+                                f"{self.path}: no index.json (not a precompute directory, or incomplete)",
+                                lambda e: f"{idx}: not valid JSON ({e})", (json.JSONDecodeError,))
         if self.index.get("format") != FORMAT:
             raise PrecomputeError(f"{idx}: format {self.index.get('format')} is not {FORMAT}")
         parts = {k: [] for k in ("input_ids", "loss_mask", "document_ids")}

@@ -48,8 +48,35 @@ def parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+class _Inside:
+    """A read-only `RunDir` attribute: the path of one name inside the run dir (or inside
+    another such attribute's path, `under`)."""
+
+    def __init__(self, name: str, under: str = "path") -> None:
+        self.name, self.under = name, under
+
+    def __set_name__(self, owner, attr: str) -> None:
+        self.attr = attr
+
+    def __get__(self, rd, owner=None):
+        return self if rd is None else getattr(rd, self.under) / self.name
+
+    def __set__(self, rd, value) -> None:
+        raise AttributeError(f"RunDir.{self.attr} is read-only")
+
+
 class RunDir:
     """The paths of one run directory: ``RunDir(path).config``, ``.checkpoint(120)``, ..."""
+
+    record = _Inside(RUN_FILE)
+    lock = _Inside(LOCK_FILE)
+    config = _Inside(CONFIG_FILE)
+    metrics = _Inside(METRICS_FILE)
+    checkpoints = _Inside(CHECKPOINTS_DIR)
+    logs = _Inside(LOGS_DIR)
+    tensorboard = _Inside(TENSORBOARD_DIR, under="logs")
+    releases = _Inside(RELEASES_DIR)
+    report = _Inside(REPORT_FILE)
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -59,42 +86,6 @@ class RunDir:
 
     def __repr__(self) -> str:
         return f"RunDir({str(self.path)!r})"
-
-    @property
-    def record(self) -> Path:
-        return self.path / RUN_FILE
-
-    @property
-    def lock(self) -> Path:
-        return self.path / LOCK_FILE
-
-    @property
-    def config(self) -> Path:
-        return self.path / CONFIG_FILE
-
-    @property
-    def metrics(self) -> Path:
-        return self.path / METRICS_FILE
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.path / CHECKPOINTS_DIR
-
-    @property
-    def logs(self) -> Path:
-        return self.path / LOGS_DIR
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.logs / TENSORBOARD_DIR
-
-    @property
-    def releases(self) -> Path:
-        return self.path / RELEASES_DIR
-
-    @property
-    def report(self) -> Path:
-        return self.path / REPORT_FILE
 
     def train_log(self, rank: int = 0, leader: bool = True) -> Path:
         return self.logs / (TRAIN_LOG if leader else f"train.rank{rank}.log")

@@ -1,6 +1,6 @@
 """Checks before a training run loads anything, all of which write nothing, so a refused
 start changes nothing on disk: the run dir is a writable directory no live trainer holds,
-the checkpoint to resume from (verified) and THE resume rule (config.RESUME_MAY_CHANGE),
+the checkpoint to resume from (verified) and THE resume rule (resume_rule.RESUME_MAY_CHANGE),
 the devices, the data paths, the target's files and the drafter's fit to the target."""
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from dflash_train.checkpoint import (
     resolve_checkpoint_path,
     verify_checkpoint,
 )
-from dflash_train.config import ConfigError, RunConfig, check_resume_config, read_run_config
+from dflash_train.config import ConfigError, RunConfig, read_run_config
 from dflash_train.errors import UserError
+from dflash_train.resume_rule import check_resume_config
 from dflash_train.rundir import RunDir, RunDirBusy, check_not_busy
 from dflash_train.targets import check_target_files
 

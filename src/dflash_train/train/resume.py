@@ -8,9 +8,9 @@ import logging
 from pathlib import Path
 
 from dflash_train.checkpoint.aside import set_aside_for_fresh_start, set_aside_newer
-from dflash_train.config import LR_SCHEDULE_KEYS, config_changes
 from dflash_train.model.dflash2 import architecture_mismatch
 from dflash_train.model.drafter import SERVING_ONLY_FIELDS
+from dflash_train.resume_rule import LR_SCHEDULE_KEYS, config_changes
 from dflash_train.rundir import RunDir
 from dflash_train.train.metrics import truncate_metrics
 from dflash_train.train.schedule import lr_factor
