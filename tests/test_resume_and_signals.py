@@ -87,7 +87,7 @@ def _start(args, log: Path, extra_env: dict | None = None) -> subprocess.Popen:
     e = env()
     e.update(extra_env or {})
     f = open(log, "w")
-    return subprocess.Popen(["/bin/sh", "-c", 'umask 022 && exec "$@"', "sh", CLI, *map(str, args)],
+    return subprocess.Popen(["/bin/sh", "-c", 'umask 022 && exec "$@"', "sh", *CLI, *map(str, args)],
                             stdout=f, stderr=subprocess.STDOUT, env=e, cwd=REPO)
 
 

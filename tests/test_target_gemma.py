@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dflash_train.config import TargetConfig
+from dflash_train.config import GEMMA3_270M, TargetConfig
 from dflash_train.data import ChatFormat
 from dflash_train.targets import load_target
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def gemma():
-    return load_target(TargetConfig(), device="cpu")
+    return load_target(TargetConfig(path=GEMMA3_270M), device="cpu")
 
 
 def test_gemma_attributes(gemma):

@@ -101,11 +101,17 @@ def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Seq
     t0 = time.perf_counter()
     res = run_worker(job, timeout_s)
     if "error" in res:
-        raise UserError(f"vLLM cannot serve {export_dir.name} on {target_dir}: {res['error'][:400]}")
+        raise UserError(f"vLLM cannot serve {export_dir.name} on {target_dir}: {_one_line(res['error'])}")
     rows = summarise(res["methods"], len(job["prompts"]))
     return {"vllm_version": res.get("vllm_version"), "rows": rows, "k": k, "dtype": job["dtype"],
             "num_prompts": len(job["prompts"]), "max_new_tokens": int(max_new_tokens),
             "seconds": time.perf_counter() - t0, "outputs": {m["name"]: m["outputs"] for m in res["methods"]}}
+
+
+def _one_line(error: str, limit: int = 400) -> str:
+    """vLLM's (often pydantic's multi-line) error as one line: its lines joined, the doc link dropped."""
+    parts = [ln.strip() for ln in error.splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+    return " ".join(parts)[:limit]
 
 
 def _max_model_len(target_dir: Path, cap: int = 4096) -> int:
@@ -150,7 +156,7 @@ def generate_in_vllm(target_dir: Path, prompt_ids: Sequence[Sequence[int]], stop
            "stop_token_ids": [int(s) for s in stop_token_ids], "max_num_seqs": int(max_num_seqs)}
     res = run_worker(job, timeout_s)
     if "error" in res:
-        raise UserError(f"vLLM could not generate with {target_dir}: {res['error'][:400]}")
+        raise UserError(f"vLLM could not generate with {target_dir}: {_one_line(res['error'])}")
     return list(zip(res["outputs"], res["finished"])), float(res["seconds"])
 
 
