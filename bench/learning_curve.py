@@ -31,8 +31,9 @@ def main() -> int:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     cfg = load_config(args.run_dir / "config.yaml")
     target = load_target(cfg.target)
     prompts = eval_prompts(cfg, target, args.num_prompts)
@@ -41,8 +42,13 @@ def main() -> int:
     first = metrics[min(metrics)]
     # wall seconds of training: from the first record's time back over its own interval
     start = first["time"] - first["tokens"] / first["tokens_per_s"]
-    points = []
+    out_file = args.run_dir / "learning_curve.json"
+    # incremental: a rerun (the run still training) scores only the checkpoints not scored yet
+    points = json.loads(out_file.read_text())["points"] if out_file.exists() else []
+    scored = {p["step"] for p in points}
     for ckpt in sorted((args.run_dir / "checkpoints").glob("step-*")):
+        if int(ckpt.name.split("-")[1]) in scored:
+            continue
         src = resolve_drafter_source(ckpt)
         drafter = build_drafter(src.config)
         drafter.load_state_dict(src.state_dict)
@@ -54,6 +60,8 @@ def main() -> int:
         points.append({"step": src.step, "tokens": m.get("tokens"), "seconds": m["time"] - start,
                        "tau": tau, "tau_ngram": ngram_tau(held, k)})
         print(json.dumps(points[-1]), flush=True)
+        points.sort(key=lambda p: p["step"])
+        out_file.write_text(json.dumps({"points": points}, indent=2) + "\n")
     fit = None
     xs = [(math.log(p["tokens"]), p["tau"] - 1) for p in points if p.get("tokens")]
     if len(xs) >= 2:
@@ -63,7 +71,7 @@ def main() -> int:
         a = sum((x - mx) * (y - my) for x, y in xs) / sxx if sxx else 0.0
         fit = {"a": a, "b": my - a * mx, "form": "tau - 1 = a * ln(tokens) + b"}
     out = {"points": points, "fit": fit, "num_prompts": len(held), "max_new_tokens": args.max_new_tokens}
-    (args.run_dir / "learning_curve.json").write_text(json.dumps(out, indent=2) + "\n")
+    out_file.write_text(json.dumps(out, indent=2) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -134,19 +134,12 @@ class DrafterProposer:
         self.drafter.extend_context(self.cache, layer_features(hidden_states, self.layer_ids, produced), start)
 
 
-def speculative_generate(
-    drafter,
-    target,
-    input_ids: torch.Tensor,
-    max_new_tokens: int,
-    stop_token_ids: Sequence[int] | None = None,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, list[int]]:
-    """DFlash speculative decoding. Returns (output_ids [1, n + generated], acceptance_lengths).
+def speculative_generate(drafter, target, *args, **kwargs) -> tuple[torch.Tensor, list[int]]:
+    """DFlash speculative decoding: `decode` with the drafter as the proposer; the rest of the
+    arguments are decode's (input_ids, max_new_tokens, stop_token_ids, temperature, generator).
+    Returns (output_ids [1, n + generated], acceptance_lengths).
 
     Greedy (temperature 0) output equals `plain_generate` token for token;
     temperature > 0 is distributed exactly as plain sampling from the target.
     """
-    return decode(target, DrafterProposer(drafter, target), input_ids, max_new_tokens, stop_token_ids,
-                  temperature, generator)
+    return decode(target, DrafterProposer(drafter, target), *args, **kwargs)
