@@ -95,3 +95,22 @@ def test_regenerate_is_resumable(tmp_path, gemma_tiny, tiny_target_factory):
                                     f"data.cache_dir={tmp_path / 'cache'}"])
     data = load_prepared(cfg, gemma_tiny.tokenizer, "gemma3")
     assert data.stats["conversations_read"] == len(recs)
+
+
+def test_a_rerun_with_only_too_long_prompts_left_starts_no_engine(tmp_path, gemma_tiny, tiny_target_factory):
+    """What is left after a batched engine run are prompts too long to answer: the rerun answers
+    nothing and never calls the engine (a vLLM start costs ~16 s for no answer)."""
+    src = write_tiny_jsonl(tmp_path / "src.jsonl", n=4)
+    out = tmp_path / "regen.jsonl"
+    over = [f"target.path={tiny_target_factory('gemma3')}", f"data.source=jsonl:{src}", "data.max_tokens=256"]
+    calls = []
+
+    def engine(prompts, max_new_tokens, stops):
+        calls.append(len(prompts))
+        return [(list(p[-3:]), True) for p in prompts]  # the prompt's last tokens: some text
+
+    c1 = regenerate_conversations(load_config(None, over), out, gemma_tiny, 2, 4, 2, 0.0, generate=engine)
+    assert calls == [2] and c1["written"] == 2
+    short = over[:-1] + ["data.max_tokens=8"]  # the two conversations left have prompts too long now
+    c2 = regenerate_conversations(load_config(None, short), out, gemma_tiny, None, 4, 2, 0.0, generate=engine)
+    assert calls == [2] and c2["written"] == 0 and c2["prompt_too_long"] == 2

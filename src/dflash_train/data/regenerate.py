@@ -133,6 +133,9 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
             counts["prompt_too_long"] += 1
             continue
         items.append((Conversation(c.id, prompt_msgs), ids))
+    if not items:  # a rerun: what is left has prompts too long to answer
+        console.print(f"regenerate: nothing left to answer in {out} ({counts['prompt_too_long']} prompts too long)")
+        return counts
     # batches of similar prompt lengths: left padding is wasted compute on every decode step
     items.sort(key=lambda it: len(it[1]))
     t0 = time.perf_counter()
