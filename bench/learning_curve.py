@@ -26,6 +26,38 @@ from dflash_train.model.dflash2 import build_drafter
 from dflash_train.targets import load_target
 
 
+def log_fit(xy: list[tuple[float, float]]) -> dict | None:
+    """Least squares tau - 1 = a * ln(x) + b."""
+    if len(xy) < 2:
+        return None
+    xs, ys = [math.log(x) for x, _ in xy], [t - 1 for _, t in xy]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return {"a": a, "b": my - a * mx, "form": "tau - 1 = a * ln(x) + b"}
+
+
+def plot(points: list[dict], fits: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, key, label, scale in ((axes[0], "tokens", "training tokens", 1.0),
+                                  (axes[1], "seconds", "training CPU-minutes (1 thread)", 60.0)):
+        xs = [p[key] / scale for p in points]
+        ax.plot(xs, [p["tau"] for p in points], "o-", label="DFlash, masks only (replay = vLLM)")
+        ax.axhline(points[-1]["tau_ngram"] if points else 1.0, color="gray", ls=":", label="prompt lookup")
+        if fits.get(key):
+            f = fits[key]
+            ax.plot(sorted(xs), [1 + f["a"] * math.log(x * scale) + f["b"] for x in sorted(xs)], "--", label="fit")
+        ax.set_xscale("log"); ax.set_xlabel(label); ax.grid(alpha=.3)
+    axes[0].set_ylabel("tau (held out)"); axes[0].legend(fontsize=8)
+    out.parent.mkdir(exist_ok=True)
+    fig.tight_layout(); fig.savefig(out, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
@@ -62,31 +94,12 @@ def main() -> int:
         print(json.dumps(points[-1]), flush=True)
         points.sort(key=lambda p: p["step"])
         out_file.write_text(json.dumps({"points": points}, indent=2) + "\n")
-    fit = None
-    xs = [(math.log(p["tokens"]), p["tau"] - 1) for p in points if p.get("tokens")]
-    if len(xs) >= 2:
-        n = len(xs)
-        mx, my = sum(x for x, _ in xs) / n, sum(y for _, y in xs) / n
-        sxx = sum((x - mx) ** 2 for x, _ in xs)
-        a = sum((x - mx) * (y - my) for x, y in xs) / sxx if sxx else 0.0
-        fit = {"a": a, "b": my - a * mx, "form": "tau - 1 = a * ln(tokens) + b"}
-    out = {"points": points, "fit": fit, "num_prompts": len(held), "max_new_tokens": args.max_new_tokens}
+    fits = {x: log_fit([(p[x], p["tau"]) for p in points if p.get(x)]) for x in ("tokens", "seconds")}
+    out = {"points": points, "fit": fits["tokens"], "fit_seconds": fits["seconds"], "num_prompts": len(held),
+           "max_new_tokens": args.max_new_tokens}
     out_file.write_text(json.dumps(out, indent=2) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([p["tokens"] for p in points], [p["tau"] for p in points], "o-", label="DFlash, masks only (replay)")
-    ax.axhline(points[-1]["tau_ngram"] if points else 1.0, color="gray", ls=":", label="prompt lookup / n-gram")
-    if fit:
-        t = sorted(p["tokens"] for p in points)
-        ax.plot(t, [1 + fit["a"] * math.log(x) + fit["b"] for x in t], "--", label="fit")
-    ax.set_xscale("log"); ax.set_xlabel("training tokens"); ax.set_ylabel("tau (held out)"); ax.legend(); ax.grid(alpha=.3)
-    (args.run_dir / "plots").mkdir(exist_ok=True)
-    fig.tight_layout(); fig.savefig(args.run_dir / "plots" / "learning_curve.png", dpi=110)
-    print(json.dumps({"fit": fit}))
+    plot(points, fits, args.run_dir / "plots" / "learning_curve.png")
+    print(json.dumps({"fit": fits}))
     return 0
 
 
