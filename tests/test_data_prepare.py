@@ -145,3 +145,18 @@ def test_regenerated_file_replaces_the_source(tmp_path, tiny_jsonl, qtok):
     assert data.stats["conversations_read"] == 5
     text = qtok.decode(data.input_ids[0][data.loss_mask[0]])
     assert "regenerated answer" in text
+
+
+def test_answers_holding_unicode_line_separators_survive_the_cache(tmp_path, qtok):
+    """JSONL ends lines at "\\n" only: an answer with U+2028 / U+0085 (ShareGPT has them) is one
+    record, also in the cached held-out file read back on the second load."""
+    src = tmp_path / "sep.jsonl"
+    src.write_text("".join(json.dumps({"id": f"s-{i}", "conversations": [
+        {"from": "human", "value": f"question\u2028{i}"}, {"from": "gpt", "value": f"one\u2028two\x85three {i} " * 4}]},
+        ensure_ascii=False) + "\n" for i in range(20)), encoding="utf-8")
+    cfg = _cfg(tmp_path, f"jsonl:{src}", "data.heldout_fraction=0.3")
+    first = load_prepared(cfg, qtok, "qwen3")
+    again = load_prepared(cfg, qtok, "qwen3")  # from the cache: heldout.jsonl read back
+    assert again.stats["cache"] == "hit"  # not rebuilt: an unreadable cache is rebuilt with a warning
+    assert len(first.heldout) >= 1 and [c.to_json() for c in again.heldout] == [c.to_json() for c in first.heldout]
+    assert "\u2028" in json.dumps(again.heldout[0].to_json(), ensure_ascii=False)

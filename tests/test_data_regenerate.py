@@ -114,3 +114,15 @@ def test_a_rerun_with_only_too_long_prompts_left_starts_no_engine(tmp_path, gemm
     short = over[:-1] + ["data.max_tokens=8"]  # the two conversations left have prompts too long now
     c2 = regenerate_conversations(load_config(None, short), out, gemma_tiny, None, 4, 2, 0.0, generate=engine)
     assert calls == [2] and c2["written"] == 0 and c2["prompt_too_long"] == 2
+
+
+def test_done_ids_count_answers_holding_unicode_line_separators(tmp_path):
+    """An answer with U+2028 (ensure_ascii=False keeps it raw) is done: it used to be
+    regenerated on every rerun, appending a duplicate and changing the training rows."""
+    from dflash_train.data.regenerate import done_ids
+
+    out = tmp_path / "regen.jsonl"
+    out.write_text("".join(json.dumps({"id": f"a{i}", "conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": f"x\u2028y\x85z{i}"}]}, ensure_ascii=False) + "\n"
+        for i in range(3)), encoding="utf-8")
+    assert done_ids(out) == {"a0", "a1", "a2"}

@@ -217,3 +217,22 @@ def test_resume_never_moves_old_checkpoints_aside(trained):
     one_line_error(cli("export", run, "--out", aside[0] / "step-00000004", "--force"), "is a checkpoint")
     one_line_error(cli("export", run, "--out", aside[0] / "new", "--force"), "directory of checkpoints")
     assert tree(run) == before
+
+
+def test_resume_after_the_training_data_changed_is_one_line_and_keeps_the_checkpoints(trained, tmp_path):
+    """A data file edited between a stop and a resume (a rerun appending answers): the data order
+    of the checkpoint does not fit the new rows. One line naming the data keys, exit 2, nothing lost."""
+    from conftest import write_tiny_jsonl
+
+    root, over = trained
+    jsonl = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    over = [o for o in over if not o.startswith("data.source=")] + [f"data.source=jsonl:{jsonl}"]
+    run = root / "changed"
+    assert cli("train", "--run-dir", run, *over).returncode == 0
+    before = tree(run / "checkpoints")
+    write_tiny_jsonl(jsonl, n=60)  # more conversations, more rows
+    res = cli("train", "--run-dir", run, *over, "train.max_steps=6")
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error: ")]  # the rest is the log
+    assert res.returncode == 2 and len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "changed since the checkpoint" in errors[0] and "data.regenerated" in errors[0]
+    assert tree(run / "checkpoints") == before

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dflash_train.data.sources import DataError
+
 
 def _epoch_seed(seed: int, epoch: int) -> int:
     h = hashlib.sha256(f"dflash-order:{seed}:{epoch}".encode()).digest()
@@ -63,8 +65,9 @@ class DataOrder:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         n = int(state.get("num_rows", self.num_rows))
         if n != self.num_rows:
-            raise ValueError(f"data order state is for {n} rows, this dataset has {self.num_rows}; "
-                             "the prepared data changed since the checkpoint")
+            raise DataError(f"the checkpoint's data order is for {n} rows, the data now has {self.num_rows}: "
+                            "the training data (data.source / data.regenerated) changed since the checkpoint; "
+                            "restore it, or train into a new run dir")
         self.seed = int(state["seed"])
         self._next = int(state["epoch"]) * self.num_rows + int(state["position"])
         self._perm_epoch = -1

@@ -266,7 +266,7 @@ def read_prepared(path: Path) -> PreparedData:
     heldout = []
     hf = path / "heldout.jsonl"
     if hf.is_file():
-        heldout = [Conversation.from_json(json.loads(line)) for line in hf.read_text().splitlines() if line.strip()]
+        heldout = [Conversation.from_json(json.loads(line)) for line in hf.read_bytes().split(b"\n") if line.strip()]  # "\n" only: answers may hold U+2028
     data = PreparedData(cat("input_ids"), cat("loss_mask"), cat("document_ids"), heldout,
                         dict(index.get("stats", {})), path)
     data.stats["inputs"] = index.get("inputs", {})

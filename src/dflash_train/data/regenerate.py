@@ -44,7 +44,9 @@ def done_ids(out: Path) -> set[str]:
             f.truncate(cut)
         raw = raw[:cut]
     ids = set()
-    for line in raw.decode("utf-8", errors="replace").splitlines():
+    # JSONL lines end at b"\n" only: str.splitlines() also splits at U+2028 / U+0085 inside an
+    # answer (ensure_ascii=False), which lost that record's id and regenerated it on every rerun
+    for line in raw.split(b"\n"):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
