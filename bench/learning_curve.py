@@ -71,9 +71,15 @@ def main() -> int:
     prompts = eval_prompts(cfg, target, args.num_prompts)
     held = greedy_outputs(target, prompts, args.max_new_tokens, args.run_dir)
     metrics = {r["step"]: r for r in rundir.read_metrics(args.run_dir) if not r.get("eval")}
-    first = metrics[min(metrics)]
-    # wall seconds of training: from the first record's time back over its own interval
-    start = first["time"] - first["tokens"] / first["tokens_per_s"]
+    # training seconds: the sum of each logged interval's own time (tokens / tok/s), so a stop
+    # and resume (the gap between processes) does not count; the time to recompute the
+    # features the stopped process had cached does, as it would for any resumed run
+    elapsed, prev = {}, 0
+    total = 0.0
+    for step in sorted(metrics):
+        r = metrics[step]
+        total += (r["tokens"] - prev) / r["tokens_per_s"]
+        prev, elapsed[step] = r["tokens"], total
     out_file = args.run_dir / "learning_curve.json"
     # incremental: a rerun (the run still training) scores only the checkpoints not scored yet
     points = json.loads(out_file.read_text())["points"] if out_file.exists() else []
@@ -89,11 +95,13 @@ def main() -> int:
         k = int(src.config.block_size) - 1
         with torch.no_grad():
             tau = drafter_tau(drafter, target, held, seeded=False)
-        points.append({"step": src.step, "tokens": m.get("tokens"), "seconds": m["time"] - start,
+        points.append({"step": src.step, "tokens": m.get("tokens"), "seconds": elapsed[m["step"]],
                        "tau": tau, "tau_ngram": ngram_tau(held, k)})
         print(json.dumps(points[-1]), flush=True)
         points.sort(key=lambda p: p["step"])
         out_file.write_text(json.dumps({"points": points}, indent=2) + "\n")
+    for p in points:  # seconds of every point by the rule above (also those scored by an earlier run)
+        p["seconds"] = elapsed[max(s for s in elapsed if s <= p["step"])]
     fits = {x: log_fit([(p[x], p["tau"]) for p in points if p.get(x)]) for x in ("tokens", "seconds")}
     out = {"points": points, "fit": fits["tokens"], "fit_seconds": fits["seconds"], "num_prompts": len(held),
            "max_new_tokens": args.max_new_tokens}
