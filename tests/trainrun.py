@@ -52,6 +52,7 @@ def env(step_delay: float | None = None, commit_delay: float | None = None) -> d
     e = dict(os.environ)
     e["PYTHONUNBUFFERED"] = "1"
     e["OMP_NUM_THREADS"] = "1"  # deterministic and polite on 2 shared cores
+    e["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts (SIGABRT/SIGSEGV) prints where it was
     if step_delay:
         e["DFLASH_TEST_STEP_DELAY"] = str(step_delay)
     if commit_delay:

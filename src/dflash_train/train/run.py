@@ -72,8 +72,9 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list
     try:
         if ctx.is_target_rank:
             setup_logging(Path(run_dir), ctx.rank, leader=False)
-            return serve_target_rank(cfg, ctx)
-        code = Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx, target, config_origin, evaluator).run()
+            code = serve_target_rank(cfg, ctx)
+        else:
+            code = Trainer(cfg, Path(run_dir), resume, argv or sys.argv, ctx, target, config_origin, evaluator).run()
     except (ConfigError, UserError, FileNotFoundError) as e:
         # a user mistake: the CLI prints it as one line; the run's log keeps it too
         log_to_files(logging.ERROR, f"error: {e}")
@@ -84,13 +85,17 @@ def run_training(cfg: RunConfig, run_dir: Path, resume: str = "auto", argv: list
         raise
     finally:
         ctx.shutdown()
-    if code == 130:
-        # aborted by a second signal: leave now. Interpreter finalisation would
-        # reset signal handlers, and a third signal must still mean "exit 130 at once".
+    if code == 130 or ctx.distributed:
+        # Leave now, everything written and the process groups destroyed. 130 (a second signal):
+        # interpreter finalisation would reset signal handlers, and a third signal must still mean
+        # "exit 130 at once". torchrun ranks: gloo's worker threads can still hold work whose
+        # tensors need the GIL while the interpreter is torn down, which aborts the rank
+        # (SIGABRT, "terminate called without an active exception"; seen on a tensor-parallel
+        # follower rank that finished first, 1 run in ~12; pytorch PR #179291 describes it).
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(code)
     return code
 
 
