@@ -50,15 +50,15 @@ def prompts_file(path: Path, texts: list[str]) -> Path:
     return path
 
 
-def serve_bench(export: Path, target: str, prompts: Path, n: int, tokens: int, *methods: str):
+def serve_bench(export: Path, target: str, prompts: Path, n: int, tokens: int, *methods: str, k: int | None = None):
     args = ["serve-bench", str(export), "--target", target, "--prompts", str(prompts), "--num-prompts", str(n),
-            "--max-new-tokens", str(tokens), "--json"]
+            "--max-new-tokens", str(tokens), "--json", *(["--k", str(k)] if k is not None else [])]
     for m in methods:
         args += ["--method", m]
     return cli(*args)
 
 
-def replay_tau(export: Path, target_dir: str, prompts: list[str], outputs: list[list[int]]) -> float:
+def replay_tau(export: Path, target_dir: str, prompts: list[str], outputs: list[list[int]], k: int | None = None) -> float:
     """Our masks-only tau of the same drafter on plain vLLM's outputs (eval/replay.py)."""
     from dflash_train.config import TargetConfig
     from dflash_train.eval.prompts import encode_prompts
@@ -77,7 +77,7 @@ def replay_tau(export: Path, target_dir: str, prompts: list[str], outputs: list[
     acc: list[int] = []
     with torch.no_grad():
         for p, out in zip(ids, outputs):
-            acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False)
+            acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=k)
     return tau_of(acc)
 
 
@@ -112,6 +112,17 @@ def test_tiny_llama_dflash_ngram_plain_lossless_and_counters(tiny_llama, tmp_pat
     outputs = res_outputs(r)
     ours = replay_tau(export, str(tiny_llama), PROMPTS, outputs)
     assert abs(d["tau"] - ours) <= 0.05 * ours, (d["tau"], ours)
+
+    # served with fewer draft tokens than the block holds (--k): the engine drafts 3 per step, lossless
+    r = serve_bench(export, str(tiny_llama), prompts_file(tmp_path / "p.jsonl", PROMPTS), 4, 24, "plain", "dflash", k=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d3 = {row["method"]: row for row in json.loads(r.stdout)["rows"]}["dflash"]
+    assert d3["k"] == 3 and d3["lossless"] is True and d3["drafts"] > 0 and d3["draft_tokens"] == 3 * d3["drafts"]
+    ours3 = replay_tau(export, str(tiny_llama), PROMPTS, res_outputs(r), k=3)
+    assert 1.0 <= ours3 <= 4.0 and abs(d3["tau"] - ours3) <= 0.05 * ours3, (d3["tau"], ours3)
+    # more draft tokens than the block holds: one line, exit 2, before any engine starts
+    r = serve_bench(export, str(tiny_llama), prompts_file(tmp_path / "p.jsonl", PROMPTS), 4, 24, k=8)
+    assert r.returncode == 2 and "--k=8" in r.stderr and "block_size 8" in r.stderr and "Traceback" not in r.stderr
 
 
 def res_outputs(r: subprocess.CompletedProcess) -> list[list[int]]:

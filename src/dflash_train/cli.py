@@ -251,6 +251,7 @@ def serve_bench(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     method: List[str] = typer.Option(["plain", "ngram", "dflash"], "--method", help="plain | ngram | dflash (repeat)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (default: lossless checks hold on CPU) | bfloat16"),
+    k: Optional[int] = typer.Option(None, "--k", help="draft tokens per step, n-gram and DFlash alike (default: block_size - 1)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ):
     """Serve the drafter in vLLM (.venv-vllm): plain, vLLM n-gram and DFlash, by the engine's counters."""
@@ -258,7 +259,7 @@ def serve_bench(
     def go():
         from dflash_train.engine.serve_bench import serve_bench_command
 
-        serve_bench_command(drafter, target, prompts, num_prompts, max_new_tokens, method, as_json, dtype)
+        serve_bench_command(drafter, target, prompts, num_prompts, max_new_tokens, method, as_json, dtype, k)
 
     _guard(go)
 

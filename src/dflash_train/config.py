@@ -231,6 +231,9 @@ class DemoConfig(_Section):
     # engine: the export served by vLLM (plain, n-gram, DFlash; the engine's counters);
     # eval: our own speculative decoding (a target vLLM cannot serve DFlash for, e.g. Gemma 3)
     judge: Literal["engine", "eval"] = "engine"
+    # draft tokens per step when the engine judges, for n-gram and DFlash alike; 0: block_size - 1.
+    # On CPU the verify forward's cost grows with k (docs/benchmarks.md)
+    serve_k: int = Field(0, ge=0)
 
 
 class RunConfig(_Section):

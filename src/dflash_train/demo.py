@@ -32,7 +32,7 @@ from rich.table import Table
 from dflash_train.config import RunConfig
 from dflash_train.data import load_prepared
 from dflash_train.data.regenerate import regenerate_conversations
-from dflash_train.engine.serve_bench import measure_in_vllm, print_engine_table, served_target_dir, vllm_answers
+from dflash_train.engine.serve_bench import check_k, measure_in_vllm, print_engine_table, served_target_dir, vllm_answers
 from dflash_train.eval.command import evaluate_tau
 from dflash_train.eval.in_training import HeldoutEval
 from dflash_train.eval.prompts import encode_prompts, eval_prompts
@@ -143,15 +143,16 @@ def _judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path, run_dir:
     """The export served by vLLM beside plain vLLM and vLLM's n-gram; our replay tau of the same
     drafter on plain vLLM's outputs (masks only, as the engine drafts) for the agreement check."""
     ids, stops = encode_prompts(target, prompts)
+    k = cfg.demo.serve_k or None
     engine = measure_in_vllm(export_dir, served_target_dir(cfg.target.path), ids, stops, cfg.eval.max_new_tokens,
-                             log=lambda m: console.print(m, markup=False))
+                             k=k, log=lambda m: console.print(m, markup=False))
     src = resolve_drafter_source(export_dir)
     drafter = build_drafter(src.config, seed=cfg.train.seed)
     drafter.load_state_dict(src.state_dict)
     drafter.to(target.device).eval()
     acc: list[int] = []
     for p, out in zip(ids, engine["outputs"].get("plain", [])):
-        acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False)
+        acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=k)
     return {"engine": engine, "replay_tau": tau_of(acc) if acc else None}
 
 
@@ -160,6 +161,8 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     demo = cfg.demo
+    if demo.judge == "engine":
+        check_k(demo.serve_k or None, cfg.model.block_size, "demo.serve_k")  # before an hour of work
 
     t0 = _phase(1, f"target: {cfg.target.path}")
     target = load_target(cfg.target)

@@ -7,8 +7,9 @@ module runs `vllm_worker.py` with that interpreter on a job file and reads its r
 
 Three engines, one after the other, on the same prompts (token ids in the target's chat
 format, greedy, batch 1, the chat format's stop tokens): plain vLLM, vLLM's n-gram drafting
-(``method: ngram``, lookup 1-3 tokens, k = block_size - 1) and the DFlash export
-(``method: dflash``, k = block_size - 1). Per method:
+(``method: ngram``, lookup 1-3 tokens) and the DFlash export (``method: dflash``), both with k
+draft tokens per step (``--k``, default block_size - 1; a DFlash drafter may serve fewer than it
+was trained for: the block is then the anchor and k masks). Per method:
 
 * tau = tokens per target decode step = (n - P) / (n - P - A) over n generated tokens of P
   prompts with A accepted draft tokens (the engine's ``spec_decode_num_accepted_tokens``):
@@ -76,6 +77,12 @@ def served_target_dir(target_path: str) -> Path:
     if cdir is None:
         raise UserError(f"{target_path}: no converted copy to serve (is DFLASH_TRAIN_GGUF_CACHE=0 set?)")
     return cdir
+
+
+def check_k(k: int | None, block_size: int, name: str) -> None:
+    """k draft tokens per step: 1 .. block_size - 1 (a DFlash block is the anchor and k masks)."""
+    if k is not None and not 1 <= k <= block_size - 1:
+        raise UserError(f"{name}={k}: a drafter of block_size {block_size} drafts 1 to {block_size - 1} tokens per step")
 
 
 def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]],
@@ -222,7 +229,8 @@ def print_engine_table(res: dict[str, Any], title: str) -> None:
 
 
 def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_prompts: int, max_new_tokens: int,
-                        methods: Sequence[str], as_json: bool, dtype: str | None = None) -> dict[str, Any]:
+                        methods: Sequence[str], as_json: bool, dtype: str | None = None,
+                        k: int | None = None) -> dict[str, Any]:
     """`dflash-train serve-bench`: the export (or a run's / checkpoint's drafter, exported to a
     temporary dir first) served by vLLM on held-out prompts (or a prompts file)."""
     bad = [m for m in methods if m not in LABELS]
@@ -232,6 +240,7 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_pro
         raise UserError("--num-prompts and --max-new-tokens must be >= 1")
     vllm_python()  # not installed: say so before any work
     src = resolve_drafter_source(drafter)
+    check_k(k, src.config.block_size, "--k")
     run_cfg = _run_config_near(src)
     target_path = target or src.target_path or (run_cfg.target.path if run_cfg else None)
     if not target_path:
@@ -248,7 +257,7 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_pro
         export_dir = src.path
         if src.kind != "export":
             export_dir = export_checkpoint(src.path, Path(tmp) / "export")
-        res = measure_in_vllm(export_dir, target_dir, ids, stops, max_new_tokens, methods, dtype=dtype, log=log)
+        res = measure_in_vllm(export_dir, target_dir, ids, stops, max_new_tokens, methods, k=k, dtype=dtype, log=log)
     res.update({"drafter": str(src.path), "target": target_path, "prompts": prompts})
     if as_json:  # with every method's output token ids (plain's are what the others must equal)
         print(json.dumps(_jsonable(res), allow_nan=False))

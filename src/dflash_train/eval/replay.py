@@ -46,10 +46,13 @@ def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int, seeded:
     return draft_everywhere(drafter, target, seq, doc, feats, ok, seeded=seeded)[0, int(n_prompt):T - 1]
 
 
-def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int, seeded: bool | None = None) -> list[int]:
+def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int, seeded: bool | None = None,
+                      k: int | None = None) -> list[int]:
     """Acceptance lengths the drafter gets on the target's known greedy `output` (prompt + new tokens);
-    seeded=False: a ``block_seeds: prompt_lookup`` drafter drafting from masks only."""
+    seeded=False: a ``block_seeds: prompt_lookup`` drafter drafting from masks only; k: the first k
+    draft tokens of each block only (served with fewer than block_size - 1; the drafts still come
+    from a full block, so the figure can differ slightly from an engine's shorter block)."""
     if len(output) - 1 <= n_prompt:
         return []
-    drafts = replay_drafts(drafter, target, output, n_prompt, seeded).tolist()
+    drafts = replay_drafts(drafter, target, output, n_prompt, seeded)[:, :k].tolist()
     return walk_acceptance(output, n_prompt, KnownDrafts(drafts, first=n_prompt))
