@@ -1,5 +1,6 @@
 """The CLI as a user meets it: a real subprocess for --help, exit codes for mistakes."""
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -58,3 +59,12 @@ def test_seeding_mistakes_are_one_line_exit_2(tmp_path, override, key):
     assert out.returncode == 2
     assert f"{key}:" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_demo_refuses_more_served_drafts_than_the_block_holds(tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "dflash_train.cli", "demo", "--run-dir", str(run), "demo.serve_k=8"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "demo.serve_k=8" in out.stderr and "block_size 8" in out.stderr and "Traceback" not in out.stderr
+    assert not run.exists()  # refused before the run dir (or any data, training) is made

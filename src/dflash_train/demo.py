@@ -157,12 +157,12 @@ def _judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path, run_dir:
 
 
 def run_demo(cfg: RunConfig, run_dir: Path) -> int:
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    t_all = time.perf_counter()
     demo = cfg.demo
     if demo.judge == "engine":
         check_k(demo.serve_k or None, cfg.model.block_size, "demo.serve_k")  # before an hour of work
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
 
     t0 = _phase(1, f"target: {cfg.target.path}")
     target = load_target(cfg.target)
