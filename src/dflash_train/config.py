@@ -56,6 +56,10 @@ class ModelConfig(_Section):
     rope_theta: float | None = Field(None, gt=0)
     max_position_embeddings: int | None = Field(None, ge=16)
     init_std: float = Field(0.02, gt=0)
+    # fresh runs: drafter layer i starts as target layer init_from_target_layers[i] (one id: every
+    # layer) instead of N(0, init_std); qk_norm for targets without q/k norms (model/init_from_target.py)
+    init_from_target_layers: list[int] | None = None
+    init_qk_norm: Literal["ones", "match"] = "ones"
     # dflash | dflash2 (model/dflash2.py: block-local dynamic convolutions + candidate selector)
     architecture: Literal["dflash", "dflash2"] = "dflash"
     # dflash2 only, named as the reference DFlash2DraftModel names them; None -> 2, 16, 256, 16
@@ -78,6 +82,11 @@ class ModelConfig(_Section):
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries; give 1 or num_layers={self.num_layers}"
             )
+        if self.init_from_target_layers is not None and len(self.init_from_target_layers) not in (1, self.num_layers):
+            raise ValueError(f"init_from_target_layers has {len(self.init_from_target_layers)} entries; "
+                             f"give 1 or num_layers={self.num_layers}")
+        if self.init_qk_norm != "ones" and self.init_from_target_layers is None:
+            raise ValueError("init_qk_norm applies with init_from_target_layers only")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("sliding_attention layers need model.sliding_window")
         return self

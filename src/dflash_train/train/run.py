@@ -30,6 +30,7 @@ from dflash_train.control.signals import AbortRun, StopController, grace_warning
 from dflash_train.errors import UserError
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.model.drafter import DrafterConfig
+from dflash_train.model.init_from_target import InitFromTargetError, init_layers_from_target
 from dflash_train.pipeline.remote import load_trainer_target, serve_target_rank, trainer_pipeline
 from dflash_train.pipeline.training_data import open_training_data
 from dflash_train.rundir import RunDir, RunDirBusy, RunRecord, step_dir_name
@@ -163,6 +164,7 @@ class Trainer:
         self.drafter_cfg = DrafterConfig.from_target(cfg.model, self.target)
         torch.manual_seed(cfg.train.seed)
         self.drafter = build_drafter(self.drafter_cfg, seed=cfg.train.seed).to(self.device)
+        self._init_from_target()
         n_params = sum(p.numel() for p in self.drafter.parameters())
         log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d, mask token %d",
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
@@ -186,6 +188,22 @@ class Trainer:
             # around the layers is data-dependent and stays eager; parameter names are unchanged
             for layer in self.drafter.layers:
                 layer.compile()
+
+    def _init_from_target(self) -> None:
+        """model.init_from_target_layers: copy target layers into the drafter (a resume then loads
+        the checkpoint over them, so the copy only matters for a fresh start)."""
+        ids = self.cfg.model.init_from_target_layers
+        if ids is None:
+            return
+        layers = getattr(self.target, "layers", None)
+        if layers is None:
+            raise TrainError("model.init_from_target_layers needs the target's decoder layers on the trainer; this "
+                             "trainer rank holds the embedding and lm_head only (torchrun with target ranks)")
+        try:
+            got = init_layers_from_target(self.drafter, layers, ids, self.cfg.model.init_qk_norm)
+        except InitFromTargetError as e:
+            raise TrainError(str(e)) from None
+        log.info("drafter layers initialised from %s", ", ".join(got))
 
     def _cap_anchors(self, row_len: int) -> None:
         """A row of T tokens has at most T-1 anchor positions: more anchors only add
