@@ -126,3 +126,16 @@ def test_done_ids_count_answers_holding_unicode_line_separators(tmp_path):
         {"from": "human", "value": "q"}, {"from": "gpt", "value": f"x\u2028y\x85z{i}"}]}, ensure_ascii=False) + "\n"
         for i in range(3)), encoding="utf-8")
     assert done_ids(out) == {"a0", "a1", "a2"}
+
+
+def test_generation_dtype_follows_the_cpus_native_bf16(tmp_path):
+    """Batched answers through vLLM: bfloat16 on CPUs with native bf16 GEMMs, float32 elsewhere."""
+    from dflash_train.engine.serve_bench import cpu_flags, generation_dtype
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n")
+    assert cpu_flags(info) == {"fpu", "sse", "avx", "avx2", "fma"}
+    assert generation_dtype(cpu_flags(info)) == "float32"
+    assert generation_dtype({"avx2", "avx512f", "avx512_bf16"}) == "bfloat16"
+    assert generation_dtype({"amx_bf16", "amx_tile"}) == "bfloat16"
+    assert cpu_flags(tmp_path / "missing") == set()

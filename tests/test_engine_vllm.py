@@ -190,6 +190,9 @@ def test_regenerate_through_vllm(tiny_llama, tmp_path):
     r = cli("regenerate", f"target.path={tiny_llama}", f"data.source=jsonl:{data}", "data.limit=12",
             "data.max_tokens=128", "--out", str(out), "--max-new-tokens", "12", "--engine", "vllm")
     assert r.returncode == 0, r.stderr[-3000:]
+    # bfloat16 only where this CPU computes it natively (else vLLM emulates it, ~28x slower)
+    from dflash_train.engine.serve_bench import generation_dtype
+    assert f"batched, {generation_dtype()};" in r.stdout + r.stderr
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) >= 10
     for rec in recs:
@@ -201,3 +204,29 @@ def test_regenerate_through_vllm(tiny_llama, tmp_path):
             "data.max_tokens=128", "--out", str(out), "--max-new-tokens", "12", "--engine", "vllm")
     assert r.returncode == 0 and "already in" in r.stderr + r.stdout
     assert len(out.read_text().splitlines()) == len(recs)
+
+
+def test_compare_scores_variants_in_the_engine_at_one_k(tiny_llama, tmp_path):
+    """`compare --engine --k 2`: the variant is served drafting 2 tokens a step, lossless, and the
+    engine's tau is the replay tau compare computed at the same k; a k the block cannot hold is
+    refused before anything trains."""
+    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    out = tmp_path / "ab"
+    shared = [f"target.path={tiny_llama}", f"data.source=jsonl:{data}", "data.limit=40", "data.max_tokens=128",
+              "data.heldout_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=60",
+              "train.max_seconds=600", "train.batch_size=4", "train.num_anchors=16", "train.lr=3e-3",
+              "train.vocab_subset=0", "checkpoint.every_steps=1000", "logging.progress=plain"]
+
+    def compare(k: str):
+        return cli("compare", "--config", str(REPO / "configs" / "cpu-demo.yaml"), "--out", str(out), "--num-prompts",
+                   "2", "--max-new-tokens", "16", "--engine", "--k", k, "--variant", "base", *shared)
+
+    r = compare("8")
+    assert r.returncode == 2 and "--k (variant 'base')=8" in r.stderr and "Traceback" not in r.stderr
+    assert not (out / "base").exists()
+    r = compare("2")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    row = json.loads((out / "compare.json").read_text())["base"]
+    assert row["k_engine"] == 2 and row["lossless_engine"] is True
+    assert 1.0 <= row["tau_engine"] <= 3.0 and 1.0 <= row["tau_engine_ngram"] <= 3.0
+    assert abs(row["tau_engine"] - row["tau_heldout"]) <= 0.05 * row["tau_heldout"], row

@@ -278,6 +278,8 @@ def compare(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
     decode: bool = typer.Option(False, "--decode", help="also real speculative decoding with wall-clock tok/s"),
     engine: bool = typer.Option(False, "--engine", help="also serve each variant's export in vLLM (serve-bench)"),
+    k: Optional[int] = typer.Option(None, "--k", help="draft tokens per step for every variant and n-gram "
+                                    "(default: each variant's block_size - 1)"),
 ):
     """A/B of training recipes: train each variant, score tau against prompt lookup, print the table."""
 
@@ -285,7 +287,7 @@ def compare(
         from dflash_train.compare import print_table, run_compare
 
         results = run_compare(config, variant, overrides or [], out, num_prompts, max_new_tokens, decode,
-                              engine=engine)
+                              engine=engine, engine_k=k)
         print_table(results, decode, engine)
         typer.echo(f"results: {out / 'compare.json'}")
 

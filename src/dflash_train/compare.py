@@ -22,6 +22,8 @@ what `eval`, the demo and the in-training eval score):
 * `--engine`: each variant's export served by vLLM on the same prompts (engine/serve_bench.py):
   the engine's tau and tok/s for DFlash, with plain vLLM and vLLM's n-gram measured once,
   and lossless against plain vLLM. The figure that decides a recipe.
+* `--k N`: every variant (and the n-gram beside them) scored and served with N draft tokens per
+  step, so drafters of different block sizes meet at the k a deployment serves them at.
 
 The table is printed and written to OUT/compare.json.
 """
@@ -42,7 +44,7 @@ import torch
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.data.sources import read_conversations
-from dflash_train.engine.serve_bench import measure_in_vllm, served_target_dir
+from dflash_train.engine.serve_bench import check_k, measure_in_vllm, served_target_dir
 from dflash_train.errors import UserError
 from dflash_train.eval.command import evaluate_tau
 from dflash_train.eval.ngram import PromptLookup
@@ -209,24 +211,26 @@ def ngram_tau(outputs, k: int) -> float:
     return _mean(acc)
 
 
-def drafter_tau(drafter, target, outputs, seeded: bool | None = None) -> float:
+def drafter_tau(drafter, target, outputs, seeded: bool | None = None, k: int | None = None) -> float:
     acc: list[int] = []
     for seq, n in outputs:
-        acc += replay_acceptance(drafter, target, seq, n, seeded)
+        acc += replay_acceptance(drafter, target, seq, n, seeded, k=k)
     return _mean(acc)
 
 
-def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: int, decode: bool) -> dict[str, Any]:
+def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: int, decode: bool,
+                  k: int | None = None) -> dict[str, Any]:
+    """k: draft tokens per block scored (None: block_size - 1), the --k the engine serves at."""
     src = resolve_drafter_source(run_dir)
     drafter = build_drafter(src.config).to(target.device)
     drafter.load_state_dict(src.state_dict)
     drafter.eval()
-    k = int(src.config.block_size) - 1
-    row: dict[str, Any] = {"tau_heldout": drafter_tau(drafter, target, held), "tau_ngram_heldout": ngram_tau(held, k)}
+    k = k or int(src.config.block_size) - 1
+    row: dict[str, Any] = {"tau_heldout": drafter_tau(drafter, target, held, k=k), "tau_ngram_heldout": ngram_tau(held, k)}
     if src.config.block_seeds != "none":  # what engines that do not seed the blocks get from it
-        row["tau_heldout_unseeded"] = drafter_tau(drafter, target, held, seeded=False)
+        row["tau_heldout_unseeded"] = drafter_tau(drafter, target, held, seeded=False, k=k)
     if seen:
-        row.update(tau_train_answers=drafter_tau(drafter, target, seen), tau_ngram_train_answers=ngram_tau(seen, k))
+        row.update(tau_train_answers=drafter_tau(drafter, target, seen, k=k), tau_ngram_train_answers=ngram_tau(seen, k))
     if decode:
         r = evaluate_tau(drafter, target, prompts, max_new_tokens)
         row["decode"] = {key: r[key] for key in ("tau", "tau_ngram", "tokens_per_s_plain", "tokens_per_s_spec",
@@ -248,7 +252,7 @@ def print_table(results: dict[str, dict], decode: bool, engine: bool = False) ->
     if decode:
         cols += ["tok/s plain", "tok/s DFlash", "tok/s lookup", "lossless"]
     if engine:
-        cols += ["tau vLLM", "vLLM n-gram", "tok/s vLLM", "vs plain vLLM", "lossless vLLM"]
+        cols += ["k", "tau vLLM", "vLLM n-gram", "tok/s vLLM", "vs plain vLLM", "lossless vLLM"]
     for c in cols:
         t.add_column(c, justify="left" if c == "variant" else "right")
 
@@ -266,50 +270,54 @@ def print_table(results: dict[str, dict], decode: bool, engine: bool = False) ->
                       f(d.get("tokens_per_s_ngram"), ".1f"),
                       "-" if not d else str(bool(d.get("outputs_match")) and bool(d.get("outputs_match_ngram")))]
         if engine:
-            cells += [f(r.get("tau_engine"), ".3f"), f(r.get("tau_engine_ngram"), ".3f"),
+            cells += [str(r.get("k_engine") or "-"), f(r.get("tau_engine"), ".3f"), f(r.get("tau_engine_ngram"), ".3f"),
                       f(r.get("tokens_per_s_engine"), ".1f"), f(r.get("speedup_engine")), str(r.get("lossless_engine"))]
         t.add_row(*cells)
     Console(width=200).print(t)
 
 
 def engine_scores(target_path: str, target, prompts, max_new_tokens: int, out: Path,
-                  names: Sequence[str]) -> dict[str, dict]:
+                  names: Sequence[str], k: int | None = None) -> dict[str, dict]:
     """Every variant's export in vLLM: {name: {tau_engine, tokens_per_s_engine, speedup_engine, lossless_engine,
-    tau_engine_ngram, tokens_per_s_engine_plain}}; plain vLLM and its n-gram are served once."""
+    tau_engine_ngram, tokens_per_s_engine_plain, k_engine}}; plain vLLM and its n-gram are served once.
+    k: draft tokens per step for every variant and n-gram (None: each variant's block_size - 1,
+    n-gram at the first variant's)."""
     ids, stops = encode_prompts(target, prompts)
     target_dir = served_target_dir(target_path)
     exports = {n: export_checkpoint(out / n, out / n / "export", force=True) for n in names}
     first = next(iter(exports.values()))
-    base = measure_in_vllm(first, target_dir, ids, stops, max_new_tokens, ("plain", "ngram"),
+    base = measure_in_vllm(first, target_dir, ids, stops, max_new_tokens, ("plain", "ngram"), k=k,
                            log=lambda m: print(m, flush=True))
     rows = {r["method"]: r for r in base["rows"]}
     plain_out = base["outputs"]["plain"]
     scores = {}
     for n, exp in exports.items():
-        res = measure_in_vllm(exp, target_dir, ids, stops, max_new_tokens, ("dflash",),
+        res = measure_in_vllm(exp, target_dir, ids, stops, max_new_tokens, ("dflash",), k=k,
                               log=lambda m: print(m, flush=True))
         d = res["rows"][0]
         scores[n] = {"tau_engine": d["tau"], "tokens_per_s_engine": d["tokens_per_s"],
                      "speedup_engine": d["tokens_per_s"] / rows["plain"]["tokens_per_s"],
                      "lossless_engine": res["outputs"]["dflash"] == plain_out,
                      "tau_engine_ngram": rows["ngram"]["tau"], "tokens_per_s_engine_ngram": rows["ngram"]["tokens_per_s"],
-                     "tokens_per_s_engine_plain": rows["plain"]["tokens_per_s"]}
+                     "tokens_per_s_engine_plain": rows["plain"]["tokens_per_s"], "k_engine": d.get("k")}
     return scores
 
 
 def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str], out: Path,
                 num_prompts: int = 12, max_new_tokens: int = 64, decode: bool = False,
-                num_train_answers: int | None = None, engine: bool = False) -> dict[str, dict]:
+                num_train_answers: int | None = None, engine: bool = False,
+                engine_k: int | None = None) -> dict[str, dict]:
     variants = parse_variants(variant_specs)
     if not Path(config).is_file():
         raise UserError(f"--config {config}: no such file")
     # every variant's config is checked before anything trains: a typo in the last one costs nothing
     for v in variants:
         try:
-            load_config(config, [*shared, *v.overrides])
+            vcfg = load_config(config, [*shared, *v.overrides])
         except ConfigError as e:
             one_line = " ".join(x.strip() for x in str(e).splitlines() if x.strip())
             raise UserError(f"variant {v.name!r}: {one_line}") from None
+        check_k(engine_k, vcfg.model.block_size, f"--k (variant {v.name!r})")
     cfg = load_config(config, list(shared))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,14 +339,14 @@ def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str
         run_dir = out / v.name
         t0 = time.perf_counter()
         row = {"overrides": [*shared, *v.overrides], **_train_stats(run_dir)}
-        row.update(score_variant(run_dir, target, held, seen, prompts, max_new_tokens, decode))
+        row.update(score_variant(run_dir, target, held, seen, prompts, max_new_tokens, decode, engine_k))
         row.update(num_prompts=len(held), max_new_tokens=max_new_tokens, score_s=time.perf_counter() - t0)
         results[v.name] = row
         print(f"[{v.name}] tau held-out {row['tau_heldout']:.3f} (prompt lookup {row['tau_ngram_heldout']:.3f}), "
               f"scored in {row['score_s']:.0f}s", flush=True)
     if engine:
         for name, row in engine_scores(cfg.target.path, target, prompts, max_new_tokens, out,
-                                       [v.name for v in variants]).items():
+                                       [v.name for v in variants], k=engine_k).items():
             results[name].update(row)
             print(f"[{name}] vLLM: tau {row['tau_engine']:.3f} (n-gram {row['tau_engine_ngram']:.3f}), "
                   f"{row['tokens_per_s_engine']:.1f} tok/s (plain {row['tokens_per_s_engine_plain']:.1f}), "
