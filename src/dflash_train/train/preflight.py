@@ -99,14 +99,16 @@ def preflight(cfg: RunConfig, run_dir: Path, resume_arg: str, check_target: bool
 
 
 def check_target_fit(cfg: RunConfig, num_layers: int | None, vocab_size: int | None, err=None) -> None:
-    """model.target_layer_ids and model.mask_token_id lie inside the target (its layers, its embedding rows)."""
+    """model.target_layer_ids, model.init_from_target_layers and model.mask_token_id lie inside the target
+    (its layers, its embedding rows): checked before the weights load."""
     err = err or TrainError
     m = cfg.model
     where = f"target {cfg.target.path}"
-    if num_layers and m.target_layer_ids is not None:
-        bad = [i for i in m.target_layer_ids if not 0 <= i < num_layers]
+    for key in ("target_layer_ids", "init_from_target_layers"):
+        ids = getattr(m, key)
+        bad = [i for i in ids if not 0 <= i < num_layers] if num_layers and ids is not None else []
         if bad:
-            raise err(f"model.target_layer_ids={m.target_layer_ids}: {bad} out of range for {where} with "
+            raise err(f"model.{key}={ids}: {bad} out of range for {where} with "
                       f"{num_layers} layers (valid ids 0..{num_layers - 1})")
     if vocab_size and m.mask_token_id is not None and m.mask_token_id >= vocab_size:
         raise err(f"model.mask_token_id={m.mask_token_id} out of range: {where} has {vocab_size} embedding rows "
