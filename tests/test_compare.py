@@ -118,3 +118,62 @@ def test_a_stopped_compare_resumes_the_variant_it_was_training(setup, tmp_path):
     steps = [r["step"] for r in metrics(out / "slow") if "loss" in r]
     assert steps == list(range(1, 9))  # resumed from its checkpoint, no step trained twice
     assert json.loads((out / "compare.json").read_text())["slow"]["steps"] == 8
+
+
+def test_seed_summary_pairs_by_seed_and_judges_with_the_interval():
+    from dflash_train.seeds import paired_summary, parse_seeds
+
+    assert parse_seeds("0,1, 2") == [0, 1, 2] and parse_seeds(None) is None
+    for bad in ("a,b", "1,1", ","):
+        with pytest.raises(UserError, match="--seeds"):
+            parse_seeds(bad)
+    seeds = [0, 1, 2]
+    # the seed moves both variants together: paired, a steady +0.05 is a gain though the spread is 0.1
+    values = {"base": {0: 1.0, 1: 1.1, 2: 1.2}, "up": {0: 1.05, 1: 1.16, 2: 1.25},
+              "down": {0: 0.9, 1: 1.0, 2: 1.1}, "noisy": {0: 1.2, 1: 1.0, 2: 1.25}}
+    s = paired_summary(values, seeds)
+    assert s["base"]["vs"] == "base" and "verdict" not in s["base"]
+    assert s["up"]["verdict"] == "gain" and s["up"]["delta_mean"] == pytest.approx(0.0533, abs=1e-3)
+    assert s["down"]["verdict"] == "loss"
+    assert s["noisy"]["verdict"] == "within noise" and s["noisy"]["delta"] == pytest.approx([0.2, -0.1, 0.05])
+    assert s["noisy"]["mean"] == pytest.approx(1.15) and s["noisy"]["sd"] == pytest.approx(0.1323, abs=1e-3)
+    one = paired_summary({"a": {0: 1.0}, "b": {0: 1.5}}, [0])
+    assert one["b"]["verdict"] == "one seed: no verdict" and one["b"]["delta_half95"] is None
+
+
+def test_compare_over_seeds_trains_each_variant_per_seed_and_pairs_them(setup):
+    config, root = setup
+    out = root / "seeds"
+    args = ["--variant", "base", "--variant", "lr:train.lr=1e-2", "--seeds", "0,1"]
+    res = subprocess.run(compare_cmd(config, out, *args), capture_output=True, text=True, timeout=900,
+                         env=env(), cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "over seeds" in res.stdout and "verdict" in res.stdout and "compare-seeds.json" in res.stdout
+    results = json.loads((out / "compare.json").read_text())
+    assert sorted(results) == ["base-seed0", "base-seed1", "lr-seed0", "lr-seed1"]
+    for name, row in results.items():
+        variant, seed = name.rsplit("-seed", 1)
+        cfg = yaml.safe_load((out / name / "config.yaml").read_text())
+        assert row["variant"] == variant and row["seed"] == int(seed) == cfg["train"]["seed"]
+        assert cfg["train"]["lr"] == (1e-2 if variant == "lr" else yaml.safe_load(config.read_text())["train"]["lr"])
+        assert row["steps"] == 6
+    summary = json.loads((out / "compare-seeds.json").read_text())["tau_heldout"]
+    assert summary["lr"]["values"] == [results["lr-seed0"]["tau_heldout"], results["lr-seed1"]["tau_heldout"]]
+    assert summary["lr"]["delta"] == pytest.approx([results[f"lr-seed{s}"]["tau_heldout"]
+                                                    - results[f"base-seed{s}"]["tau_heldout"] for s in (0, 1)])
+    assert summary["lr"]["verdict"] in ("gain", "loss", "within noise")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--seeds", "0,x"], "--seeds"),
+    (["--seeds", "0,1", "train.seed=3"], "drop train.seed"),
+])
+def test_bad_seeds_are_refused_before_anything_trains(setup, tmp_path, args, words):
+    config, _ = setup
+    out = tmp_path / "ab"
+    res = subprocess.run(compare_cmd(config, out, "--variant", "base", *args),
+                         capture_output=True, text=True, timeout=300, env=env(), cwd=REPO)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    err = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and words in err[0], res.stderr
+    assert not list(out.glob("base*"))

@@ -280,15 +280,27 @@ def compare(
     engine: bool = typer.Option(False, "--engine", help="also serve each variant's export in vLLM (serve-bench)"),
     k: Optional[int] = typer.Option(None, "--k", help="draft tokens per step for every variant and n-gram "
                                     "(default: each variant's block_size - 1)"),
+    seeds: Optional[str] = typer.Option(None, "--seeds", help="train every variant once per seed (e.g. 0,1,2) and "
+                                        "judge it by its difference to the first variant, paired by seed"),
 ):
     """A/B of training recipes: train each variant, score tau against prompt lookup, print the table."""
 
     def go():
-        from dflash_train.compare import print_table, run_compare
+        import json
 
+        from dflash_train.compare import SEEDS_FILE, print_table, run_compare
+        from dflash_train.seeds import parse_seeds, print_seed_table
+
+        seed_list = parse_seeds(seeds)
         results = run_compare(config, variant, overrides or [], out, num_prompts, max_new_tokens, decode,
-                              engine=engine, engine_k=k)
+                              engine=engine, engine_k=k, seeds=seed_list)
         print_table(results, decode, engine)
+        if seed_list is not None:
+            summaries = json.loads((out / SEEDS_FILE).read_text())
+            for key, what in (("tau_heldout", "replay tau (held-out)"), ("tau_engine", "tau in vLLM")):
+                if key in summaries:
+                    print_seed_table(summaries[key], what)
+            typer.echo(f"paired over seeds: {out / SEEDS_FILE}")
         typer.echo(f"results: {out / 'compare.json'}")
 
     _guard(go)

@@ -24,8 +24,12 @@ what `eval`, the demo and the in-training eval score):
   and lossless against plain vLLM. The figure that decides a recipe.
 * `--k N`: every variant (and the n-gram beside them) scored and served with N draft tokens per
   step, so drafters of different block sizes meet at the k a deployment serves them at.
+* `--seeds 0,1,2`: every variant trained once per seed (run dir OUT/NAME-seedS, `train.seed=S`),
+  and judged by its difference to the first variant paired by seed (seeds.py): at small budgets
+  the seed moves tau as much as a lever does.
 
-The table is printed and written to OUT/compare.json.
+The table is printed and written to OUT/compare.json (with --seeds, the paired summary to
+OUT/compare-seeds.json).
 """
 from __future__ import annotations
 
@@ -55,9 +59,11 @@ from dflash_train.export import export_checkpoint, resolve_drafter_source
 from dflash_train.model.acceptance import walk_acceptance
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.rundir import read_metrics, read_record
+from dflash_train.seeds import paired_summary, run_name
 from dflash_train.targets import load_target
 
 RESULTS_FILE = "compare.json"
+SEEDS_FILE = "compare-seeds.json"
 FINISHED = ("max_steps", "time budget")  # stop reasons of a run that used its whole budget
 
 
@@ -306,10 +312,12 @@ def engine_scores(target_path: str, target, prompts, max_new_tokens: int, out: P
 def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str], out: Path,
                 num_prompts: int = 12, max_new_tokens: int = 64, decode: bool = False,
                 num_train_answers: int | None = None, engine: bool = False,
-                engine_k: int | None = None) -> dict[str, dict]:
+                engine_k: int | None = None, seeds: Sequence[int] | None = None) -> dict[str, dict]:
     variants = parse_variants(variant_specs)
     if not Path(config).is_file():
         raise UserError(f"--config {config}: no such file")
+    if seeds is not None and any(x.split("=", 1)[0].strip() == "train.seed" for x in shared):
+        raise UserError("--seeds sets train.seed for every run; drop train.seed=... from the overrides")
     # every variant's config is checked before anything trains: a typo in the last one costs nothing
     for v in variants:
         try:
@@ -321,9 +329,12 @@ def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str
     cfg = load_config(config, list(shared))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    # one run per variant, or per variant and seed (the seed last: it wins over the variant's own)
+    runs = [(v, None, v) for v in variants] if seeds is None else \
+        [(v, s, Variant(run_name(v.name, s), (*v.overrides, f"train.seed={s}"))) for v in variants for s in seeds]
     with _ForwardSignals() as fwd:
-        for v in variants:
-            train_variant(Path(config), shared, v, out / v.name, fwd)
+        for _, _, r in runs:
+            train_variant(Path(config), shared, r, out / r.name, fwd)
 
     target = load_target(cfg.target)
     prompts = eval_prompts(cfg, target, num_prompts)  # the run's held-out prompts, as eval and the demo score
@@ -335,21 +346,33 @@ def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str
     seen = training_answers(target, cfg.data.regenerated, num_train_answers or num_prompts) \
         if cfg.data.regenerated else []
     results: dict[str, dict] = {}
-    for v in variants:
-        run_dir = out / v.name
+    for v, seed, r in runs:
+        run_dir = out / r.name
         t0 = time.perf_counter()
-        row = {"overrides": [*shared, *v.overrides], **_train_stats(run_dir)}
+        row = {"variant": v.name, "seed": seed, "overrides": [*shared, *r.overrides], **_train_stats(run_dir)}
         row.update(score_variant(run_dir, target, held, seen, prompts, max_new_tokens, decode, engine_k))
         row.update(num_prompts=len(held), max_new_tokens=max_new_tokens, score_s=time.perf_counter() - t0)
-        results[v.name] = row
-        print(f"[{v.name}] tau held-out {row['tau_heldout']:.3f} (prompt lookup {row['tau_ngram_heldout']:.3f}), "
+        results[r.name] = row
+        print(f"[{r.name}] tau held-out {row['tau_heldout']:.3f} (prompt lookup {row['tau_ngram_heldout']:.3f}), "
               f"scored in {row['score_s']:.0f}s", flush=True)
     if engine:
         for name, row in engine_scores(cfg.target.path, target, prompts, max_new_tokens, out,
-                                       [v.name for v in variants], k=engine_k).items():
+                                       [r.name for _, _, r in runs], k=engine_k).items():
             results[name].update(row)
             print(f"[{name}] vLLM: tau {row['tau_engine']:.3f} (n-gram {row['tau_engine_ngram']:.3f}), "
                   f"{row['tokens_per_s_engine']:.1f} tok/s (plain {row['tokens_per_s_engine_plain']:.1f}), "
                   f"lossless {row['lossless_engine']}", flush=True)
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if seeds is not None:
+        (out / SEEDS_FILE).write_text(json.dumps(seed_summaries(results, variants, seeds), indent=2) + "\n")
     return results
+
+
+def seed_summaries(results: dict[str, dict], variants: Sequence[Variant], seeds: Sequence[int]) -> dict[str, dict]:
+    """{measure: paired_summary} for held-out replay tau and, when served, the engine's tau."""
+    out = {}
+    for key in ("tau_heldout", "tau_engine"):
+        if all(key in results[run_name(v.name, s)] for v in variants for s in seeds):
+            out[key] = paired_summary({v.name: {s: results[run_name(v.name, s)][key] for s in seeds}
+                                       for v in variants}, seeds)
+    return out
