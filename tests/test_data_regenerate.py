@@ -116,6 +116,39 @@ def test_a_rerun_with_only_too_long_prompts_left_starts_no_engine(tmp_path, gemm
     assert calls == [2] and c2["written"] == 0 and c2["prompt_too_long"] == 2
 
 
+def test_an_engine_run_cut_off_keeps_the_chunks_before_it(tmp_path, gemma_tiny, tiny_target_factory):
+    """The engine answers a chunk of prompts per call and each chunk is written before the next:
+    an engine that dies (a timeout, a kill) loses only its own chunk, and the rerun asks the
+    engine for the rest alone."""
+    from dflash_train.errors import UserError
+
+    src = write_tiny_jsonl(tmp_path / "src.jsonl", n=5)
+    out = tmp_path / "regen.jsonl"
+    cfg = load_config(None, [f"target.path={tiny_target_factory('gemma3')}", f"data.source=jsonl:{src}",
+                             "data.max_tokens=256"])
+    calls = []
+
+    def dies_on_second_call(prompts, max_new_tokens, stops):
+        calls.append(len(prompts))
+        if len(calls) == 2:
+            raise UserError("vLLM did not finish within 1s")
+        return [(list(p[-3:]), True) for p in prompts]
+
+    with pytest.raises(UserError, match="did not finish"):
+        regenerate_conversations(cfg, out, gemma_tiny, None, 4, 2, 0.0, generate=dies_on_second_call, engine_chunk=2)
+    assert calls == [2, 2] and len(out.read_text().splitlines()) == 2
+    calls.clear()
+
+    def answers(prompts, max_new_tokens, stops):
+        calls.append(len(prompts))
+        return [(list(p[-3:]), True) for p in prompts]
+
+    c = regenerate_conversations(cfg, out, gemma_tiny, None, 4, 2, 0.0, generate=answers, engine_chunk=2)
+    assert calls == [2, 1] and c["already_done"] == 2 and c["written"] == 3
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert len(ids) == 5 == len(set(ids))
+
+
 def test_done_ids_count_answers_holding_unicode_line_separators(tmp_path):
     """An answer with U+2028 (ensure_ascii=False keeps it raw) is done: it used to be
     regenerated on every rerun, appending a duplicate and changing the training rows."""

@@ -90,8 +90,14 @@ def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_
     return res
 
 
+# prompts per engine call: an interrupted or timed-out engine run loses at most this many answers
+# (each call is one engine start, ~20-40 s on CPU; 1,024 x 128 tokens is ~15 min at 143 tok/s)
+ENGINE_CHUNK = 1024
+
+
 def regenerate_conversations(cfg, out: Path, target, max_conversations: int | None = None, max_new_tokens: int = 256,
-                             batch_size: int = 8, temperature: float = 0.0, generate=None) -> dict:
+                             batch_size: int = 8, temperature: float = 0.0, generate=None,
+                             engine_chunk: int = ENGINE_CHUNK) -> dict:
     """Regenerate the answers of the first `max_conversations` conversations of
     ``data.source`` (default ``data.limit``) into `out` (JSONL, appended,
     resumable) with `target`: a loaded Target, or a function that loads one (called only when
@@ -101,7 +107,8 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
 
     `generate`: answers all prompts in one batched call instead of our own decoding loop
     (``generate(prompt_ids, max_new_tokens, stop_token_ids) -> [(new ids, finished)]``, greedy;
-    the demo passes vLLM's batched generation, `engine.serve_bench.generate_in_vllm`); `target`
+    the demo passes vLLM's batched generation, `engine.serve_bench.generate_in_vllm`), called on
+    `engine_chunk` prompts at a time, each chunk's answers written before the next; `target`
     then only needs its tokenizer and family."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -157,13 +164,21 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
     if generate is not None:
         if temperature != 0:
             raise DataError("regenerate through an engine is greedy only (temperature 0)")
-        console.print(f"regenerating {len(items)} answers in one batched engine run")
-        answers = generate([ids for _, ids in items], max_new_tokens, fmt.stop_token_ids())
+        runs = range(0, len(items), engine_chunk)
+        console.print(f"regenerating {len(items)} answers in {len(runs)} batched engine run(s)")
         with out.open("a", encoding="utf-8") as f:
-            for (conv, _), (new, finished) in zip(items, answers):
-                write(f, conv, list(new), bool(finished))
-            f.flush()
-            os.fsync(f.fileno())
+            for b in runs:
+                chunk = items[b:b + engine_chunk]
+                try:
+                    answers = generate([ids for _, ids in chunk], max_new_tokens, fmt.stop_token_ids())
+                except BaseException:
+                    console.print(f"regenerate: {counts['written']} answers of this run kept in {out}; "
+                                  "a rerun goes on from there")
+                    raise
+                for (conv, _), (new, finished) in zip(chunk, answers):
+                    write(f, conv, list(new), bool(finished))
+                f.flush()
+                os.fsync(f.fileno())
     else:
         with Progress(TextColumn("[bold]regenerating[/bold]"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), TextColumn("{task.fields[tps]}"), console=console) as bar:

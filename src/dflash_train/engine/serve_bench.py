@@ -176,11 +176,15 @@ def run_worker(job: dict, timeout_s: float) -> dict:
 
 def generate_in_vllm(target_dir: Path, prompt_ids: Sequence[Sequence[int]], stop_token_ids: Sequence[int],
                      max_new_tokens: int, dtype: str | None = None, max_num_seqs: int = 64,
-                     timeout_s: float = 3600.0) -> tuple[list[tuple[list[int], bool]], float]:
+                     timeout_s: float | None = None) -> tuple[list[tuple[list[int], bool]], float]:
     """Greedy answers to many prompts in one batched vLLM run (target-written training data):
     ([(new token ids, finished by a stop token)], generation seconds without the engine start).
-    dtype None: `generation_dtype()` (bfloat16 where the CPU has it natively)."""
+    dtype None: `generation_dtype()` (bfloat16 where the CPU has it natively). timeout_s None:
+    scaled to the work, 15 min for the engine start plus every token at 10 tok/s (a loaded AVX2
+    CPU writes 143 tok/s in float32; a fixed hour cut the demo's 3,445 answers off there)."""
     dtype = dtype or generation_dtype()
+    if timeout_s is None:
+        timeout_s = 900.0 + len(prompt_ids) * max_new_tokens / 10.0
     job = {"mode": "generate", "target": str(target_dir), "dtype": dtype, "max_model_len": _max_model_len(target_dir),
            "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
            "stop_token_ids": [int(s) for s in stop_token_ids], "max_num_seqs": int(max_num_seqs)}
