@@ -172,3 +172,30 @@ def test_generation_dtype_follows_the_cpus_native_bf16(tmp_path):
     assert generation_dtype({"avx2", "avx512f", "avx512_bf16"}) == "bfloat16"
     assert generation_dtype({"amx_bf16", "amx_tile"}) == "bfloat16"
     assert cpu_flags(tmp_path / "missing") == set()
+
+
+def test_a_timed_out_engine_takes_its_children_down(tmp_path, monkeypatch):
+    """vLLM forks an engine core and workers; a timeout must kill them with the worker, not leave
+    them computing (they once kept both cores busy for hours after the demo's data step timed out)."""
+    import os
+    import time
+
+    from dflash_train.engine.serve_bench import generate_in_vllm
+    from dflash_train.errors import UserError
+
+    pid_file = tmp_path / "child.pid"
+    fake = tmp_path / "python"  # stands in for the vLLM environment's interpreter
+    fake.write_text(f"#!/bin/bash\nsleep 300 &\necho $! > {pid_file}\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("DFLASH_TRAIN_VLLM_PYTHON", str(fake))
+    with pytest.raises(UserError, match="did not finish within 3s"):
+        generate_in_vllm(tmp_path, [[1, 2]], [0], 4, dtype="float32", timeout_s=3)
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is sent; give the kernel a moment to reap
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the engine's child {child} outlived the timeout")

@@ -25,8 +25,10 @@ vLLM not installed, an engine that fails to start or runs out of memory) is one 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -163,15 +165,29 @@ def run_worker(job: dict, timeout_s: float) -> dict:
         job_file, result_file, log_file = Path(tmp, "job.json"), Path(tmp, "result.json"), Path(tmp, "vllm.log")
         job_file.write_text(json.dumps(job))
         with open(log_file, "w") as lf:
+            # its own session: vLLM forks an engine core and workers, which a timeout or Ctrl-C must
+            # take down with the worker (they kept 2 cores busy for hours after a timeout once)
+            proc = subprocess.Popen([str(py), str(WORKER), str(job_file), str(result_file)], stdout=lf,
+                                    stderr=subprocess.STDOUT, env=env, cwd=tmp, start_new_session=True)
             try:
-                proc = subprocess.run([str(py), str(WORKER), str(job_file), str(result_file)], stdout=lf,
-                                      stderr=subprocess.STDOUT, env=env, cwd=tmp, timeout=timeout_s)
+                proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
+                _kill_group(proc)
                 raise UserError(f"vLLM did not finish within {timeout_s:.0f}s on {job['target']}") from None
+            except BaseException:
+                _kill_group(proc)
+                raise
         if not result_file.is_file():
             tail = log_file.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
             raise UserError(f"vLLM exited with code {proc.returncode} before writing a result: {tail[0][:300]}")
         return json.loads(result_file.read_text())
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the worker's process group (the worker, vLLM's engine core and its workers)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def generate_in_vllm(target_dir: Path, prompt_ids: Sequence[Sequence[int]], stop_token_ids: Sequence[int],
