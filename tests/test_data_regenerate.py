@@ -177,8 +177,8 @@ def test_generation_dtype_follows_the_cpus_native_bf16(tmp_path):
 def test_a_timed_out_engine_takes_its_children_down(tmp_path, monkeypatch):
     """vLLM forks an engine core and workers; a timeout must kill them with the worker, not leave
     them computing (they once kept both cores busy for hours after the demo's data step timed out)."""
-    import os
     import time
+    from pathlib import Path
 
     from dflash_train.engine.serve_bench import generate_in_vllm
     from dflash_train.errors import UserError
@@ -191,10 +191,15 @@ def test_a_timed_out_engine_takes_its_children_down(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="did not finish within 3s"):
         generate_in_vllm(tmp_path, [[1, 2]], [0], 4, dtype="float32", timeout_s=3)
     child = int(pid_file.read_text())
-    for _ in range(50):  # the kill is sent; give the kernel a moment to reap
+
+    def running(pid: int) -> bool:  # a killed child nobody has reaped yet is a zombie: not running
         try:
-            os.kill(child, 0)
-        except ProcessLookupError:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    for _ in range(50):  # the kill is sent; give the kernel a moment
+        if not running(child):
             break
         time.sleep(0.1)
     else:
