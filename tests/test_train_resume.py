@@ -33,8 +33,11 @@ def test_run_dir_layout_and_metrics(reference):
     for r in recs:
         assert math.isfinite(r["loss"]) and r["loss"] > 0
         for key in ("lr", "grad_norm", "expected_tau", "tokens_per_s", "samples_per_s", "acc_1", "acc_3",
-                    "target_busy", "trainer_busy", "trainer_wait", "queue_occupancy"):
+                    "target_busy", "trainer_busy", "trainer_wait", "queue_occupancy", "supervised_per_s"):
             assert key in r, key
+        # one step's supervised predictions: batch 2 x 4 anchors x 3 block positions at most (the
+        # loss mask removes some), and some every step on this data
+        assert 0 < r["supervised"] <= 2 * 4 * 3, r["supervised"]
     # full precision: the JSON float round-trips to the same double
     assert isinstance(recs[0]["loss"], float) and len(repr(recs[0]["loss"])) > 8
     ck = rd / "checkpoints"

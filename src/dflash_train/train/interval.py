@@ -44,7 +44,9 @@ class IntervalMeter:
                skipped: int) -> dict:
         """The interval's metrics.jsonl record; starts the next interval."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        acc = (self.acc_correct / self.acc_count.clamp_min(1)).tolist()  # the interval's one read
+        # the interval's one host read: acceptance per position, then the supervised predictions
+        # ((anchor, block position) pairs that carried loss: what trainers are compared by)
+        *acc, supervised = torch.cat([self.acc_correct / self.acc_count.clamp_min(1), self.acc_count.sum().view(1)]).tolist()
         rec = {
             "step": step,
             "loss": float(step_loss),
@@ -54,6 +56,8 @@ class IntervalMeter:
             "expected_tau": float(expected_acceptance_length(torch.tensor(acc))),
             "tokens_per_s": self.tokens / dt,
             "samples_per_s": self.samples / dt,
+            "supervised": int(supervised),
+            "supervised_per_s": supervised / dt,
             "tokens": tokens,
             "skipped": skipped,
             "time": time.time(),

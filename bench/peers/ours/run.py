@@ -1,0 +1,121 @@
+"""dflash-train on the peers' common work, in the peers' interface:
+
+    .venv/bin/python bench/peers/ours/run.py DATA_DIR OUT_DIR [--steps N] [--seconds S] [--seed K] [--threads T]
+
+trains with `dflash-train train` on DATA_DIR/regenerated.jsonl (the same target-written answers
+the peers read as DATA_DIR/train.jsonl, cut into the same documents), configs/cpu-demo.yaml's
+recipe with the common settings (1 layer, block 8, target layer [15], mask 16, full attention,
+float32), exports to OUT_DIR/export and writes OUT_DIR/result.json. Our trainer captures the
+target's features online in the same process (cached after their first use), so the training
+time includes the target forward and feature_dump_seconds is 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+BIN = REPO / ".venv" / "bin"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("data_dir", type=Path)
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--steps", type=int, default=9000)
+    ap.add_argument("--seconds", type=float, default=0.0, help="training wall-clock budget (0: none)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-defaults", action="store_true", help="accepted for the common interface; ours are ours")
+    a = ap.parse_args()
+    out = a.out_dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = out / "run"
+    overrides = [f"data.regenerated={(a.data_dir / 'regenerated.jsonl').resolve()}", "model.target_layer_ids=[15]",
+                 "model.mask_token_id=16", f"train.max_steps={a.steps}", f"train.seed={a.seed}",
+                 f"train.max_seconds={a.seconds if a.seconds > 0 else 1e9}", "checkpoint.every_steps=100000",
+                 "checkpoint.keep_last=1", "logging.every_steps=50"]
+    cmd = [str(BIN / "dflash-train"), "train", "--config", str(REPO / "configs" / "cpu-demo.yaml"),
+           "--run-dir", str(run_dir), "--resume", "never", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    t0 = time.perf_counter()
+    timed = ["/usr/bin/time", "-f", "%M", "-o", str(out / "rss_kb.txt")]
+    proc = subprocess.run(timed + cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (out / "train.log").write_text(proc.stdout + proc.stderr)
+    result: dict = {"peer": "dflash-train", "peer_version": _version(), "command": " ".join(cmd),
+                    "threads": a.threads, "seed": a.seed, "error": None}
+    if proc.returncode != 0:
+        result["error"] = (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
+    else:
+        recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        steps = [r for r in recs if "supervised" in r]
+        result.update({
+            "steps": recs[-1]["step"],
+            # the loop's own clock: the logging intervals' durations added up (the target's
+            # forward for uncached rows included, the start-up and the data step not)
+            "train_seconds": sum(r["supervised"] / r["supervised_per_s"] for r in steps if r["supervised_per_s"]),
+            "process_seconds": wall,
+            "data_prep_seconds": _data_prep_seconds(run_dir),
+            "feature_dump_seconds": 0.0,
+            "supervised_tokens": _supervised_total(steps, recs[-1]["step"]),
+            "supervised_tokens_how": "sum over logging intervals of (anchor, block position) pairs that carried "
+                                     "loss (metrics.jsonl 'supervised'), the last interval extrapolated if unlogged",
+            "peak_rss_mb": _rss_mb(out / "rss_kb.txt"),
+            "settings": {"loss": "dpace (D-PACE position weights, alpha 0.5), CE to the data tokens",
+                         "anchors": "24 per 192-token packed row, random among supervised positions",
+                         "batching": "4 packed rows x 192 tokens (first-fit packing of whole documents)",
+                         "lr": "AdamW 1e-3, 2 % warmup, cosine to 0.1x", "loss_vocab": "8,192 most frequent"},
+        })
+        exp = subprocess.run([str(BIN / "dflash-train"), "export", str(run_dir), "--out", str(out / "export"), "--force"],
+                             env=env, capture_output=True, text=True)
+        if exp.returncode != 0:
+            result["error"] = "export: " + (exp.stderr.strip().splitlines() or ["?"])[-1]
+    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result))
+    return 0 if result["error"] is None else 1
+
+
+def _supervised_total(recs: list[dict], last_step: int) -> int:
+    total, prev = 0, 0
+    for r in recs:
+        total += r["supervised"]
+        prev = r["step"]
+    if recs and prev < last_step:
+        total += int(total / prev * (last_step - prev))
+    return int(total)
+
+
+def _data_prep_seconds(run_dir: Path) -> float | None:
+    """The data step of train.log ("data: ... in N s") if the trainer logged one."""
+    import re
+
+    log = run_dir / "logs" / "train.log"
+    if not log.is_file():
+        return None
+    m = re.search(r"prepared .*? in ([0-9.]+) ?s", log.read_text())
+    return float(m.group(1)) if m else None
+
+
+def _rss_mb(path: Path) -> float | None:
+    try:
+        return int(path.read_text().strip().splitlines()[-1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _version() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+    except OSError:
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
