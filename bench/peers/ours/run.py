@@ -39,7 +39,7 @@ def main() -> int:
     overrides = [f"data.regenerated={(a.data_dir / 'regenerated.jsonl').resolve()}", "model.target_layer_ids=[15]",
                  "model.mask_token_id=16", f"train.max_steps={a.steps}", f"train.seed={a.seed}",
                  f"train.max_seconds={a.seconds if a.seconds > 0 else 1e9}", "checkpoint.every_steps=100000",
-                 "checkpoint.keep_last=1", "logging.every_steps=50"]
+                 "checkpoint.keep_last=1", "logging.every_steps=10"]
     cmd = [str(BIN / "dflash-train"), "train", "--config", str(REPO / "configs" / "cpu-demo.yaml"),
            "--run-dir", str(run_dir), "--resume", "never", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
@@ -92,13 +92,13 @@ def _supervised_total(recs: list[dict], last_step: int) -> int:
 
 
 def _data_prep_seconds(run_dir: Path) -> float | None:
-    """The data step of train.log ("data: ... in N s") if the trainer logged one."""
+    """The data step's seconds (train.log's "data: {..., 'seconds': N}": read, format, cut, pack)."""
     import re
 
     log = run_dir / "logs" / "train.log"
     if not log.is_file():
         return None
-    m = re.search(r"prepared .*? in ([0-9.]+) ?s", log.read_text())
+    m = re.search(r"INFO data: \{.*'seconds': ([0-9.]+)", log.read_text())
     return float(m.group(1)) if m else None
 
 
