@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from dflash_train.checkpoint import (
     restore_rng_state,
     verify_checkpoint,
 )
+from dflash_train.errors import UserError
 
 PY = sys.executable
 
@@ -307,11 +309,15 @@ def test_background_failure_is_reported(tmp_path, monkeypatch):
 
     monkeypatch.setattr(manager, "sha256_file", boom)
     _save(mgr, 1)
-    with pytest.raises(CheckpointError, match="No space left"):
+    # a refused write is a CheckpointError and a UserError (the CLI's one line) naming the file
+    want = f"no space left on device while reading back {d / 'step-00000001' / 'model.safetensors'}"
+    with pytest.raises(CheckpointError, match=f"^{re.escape(want)}$") as got:
         mgr.wait()
+    assert isinstance(got.value, UserError)
     assert _steps(d) == [] and not list(d.glob(".tmp-*")) and read_link(d, "latest") is None
-    assert any(line.startswith("error: checkpoint step 1 failed") for line in logs)
+    assert any(line.startswith("error: checkpoint step 1 failed: no space left on device") for line in logs)
     mgr.wait()  # reported once
+    mgr.raise_failure()
 
 
 def test_best_link_never_dangles_after_a_move_aside(tmp_path):

@@ -40,6 +40,7 @@ from dflash_train.model.hf_config import drafter_config_from_hf, hf_config_dict
 from dflash_train.report import model_card, run_summary
 from dflash_train.rundir import MANIFEST_FILE, holds_checkpoints, is_checkpoint_dir, is_run_dir
 from dflash_train.serving_check import check_config, check_export, target_facts
+from dflash_train.storage import writing
 from dflash_train.utils import save_safetensors
 
 CONFIG_FILE = "config.json"
@@ -228,24 +229,33 @@ def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, 
     dtype = getattr(torch, cfg.serving_dtype)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in sd.items()}
     _validate_tensors(cfg, tensors)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    # a refused write (full disk, read-only directory) is one line naming the file; the export is
+    # written beside --out and renamed into place, so nothing at --out has changed then
+    unchanged = f"nothing at {given} was changed"
+    with writing(given, "creating", hint=unchanged):
+        out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-export-{secrets.token_hex(4)}"
     old = None
-    tmp.mkdir()
+    with writing(given, "creating", hint=unchanged):
+        tmp.mkdir()
     try:
-        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config_dict(cfg, provenance), indent=2) + "\n")
-        save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        with writing(given / CONFIG_FILE, hint=unchanged):
+            (tmp / CONFIG_FILE).write_text(json.dumps(hf_config_dict(cfg, provenance), indent=2) + "\n")
+        with writing(given / WEIGHTS_FILE, hint=unchanged):
+            save_safetensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         if readme is not None:
-            (tmp / README_FILE).write_text(readme)
+            with writing(given / README_FILE, hint=unchanged):
+                (tmp / README_FILE).write_text(readme)
         problems, _ = check_export(tmp, target)
         if problems:
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             raise _err(f"export to {given} fails the SGLang/vLLM loader check: {problems[0]}{more}")
         check_out_dir(given, force)  # again, right before replacing anything
-        if out.exists():
-            old = out.parent / f".{out.name}.old-export-{secrets.token_hex(4)}"
-            out.rename(old)  # a previous export (checked above); removed once the new one is in place
-        tmp.rename(out)
+        with writing(given, "moving the export into", hint=unchanged):
+            if out.exists():
+                old = out.parent / f".{out.name}.old-export-{secrets.token_hex(4)}"
+                out.rename(old)  # a previous export (checked above); removed once the new one is in place
+            tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and not out.exists():

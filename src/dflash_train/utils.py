@@ -8,15 +8,24 @@ from pathlib import Path
 import torch
 
 from dflash_train.rundir import apply_default_mode, sha256_tree
+from dflash_train.storage import os_error_in
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def save_safetensors(tensors: dict, path: Path, metadata: dict[str, str] | None = None) -> None:
-    """safetensors.torch.save_file (which creates the file 0600) + the usual permissions."""
+    """safetensors.torch.save_file (which creates the file 0600) + the usual permissions. A write
+    the file system refuses raises the OSError (safetensors hides it in a SafetensorError), so
+    callers handle a full disk like any other (storage.py)."""
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path), metadata=metadata)
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:  # noqa: BLE001 - only the storage failure is translated
+        err = os_error_in(e)
+        if err is None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from None
     apply_default_mode(Path(path))
 
 

@@ -6,6 +6,11 @@ imports sitecustomize.py, which imports this module; they set
     DFLASH_TEST_COMMIT_DELAY=S   hold every checkpoint S seconds between "files written" and
                                  "commit" (widens the crash / abandon window; an abandon still
                                  ends the wait at once)
+    DFLASH_TEST_BEFORE_CHECKPOINT=STEP:CMD
+                                 run the shell command CMD (it must succeed) in the checkpoint
+                                 writer just before checkpoint STEP is written: a storage fault
+                                 (a full disk, a read-only or removed directory) made real at a
+                                 known step
 
 Without these variables nothing is patched. The patches are applied when the product module
 is first imported (a meta-path finder that wraps the module's loader)."""
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import importlib.abc
 import os
+import subprocess
 import sys
 import time
 
@@ -55,17 +61,31 @@ def _patch_manager(module) -> None:
     delay_commits(module.CheckpointManager, float(os.environ["DFLASH_TEST_COMMIT_DELAY"]))
 
 
-_PATCHES: dict = {}
+def _patch_before_checkpoint(module) -> None:
+    at, command = os.environ["DFLASH_TEST_BEFORE_CHECKPOINT"].split(":", 1)
+    write = module.CheckpointManager._write
+
+    def run_then_write(self, tmp, step, *args, **kwargs):
+        if step == int(at):
+            subprocess.run(command, shell=True, check=True)
+        return write(self, tmp, step, *args, **kwargs)
+
+    module.CheckpointManager._write = run_then_write
+
+
+_PATCHES: dict = {}  # module name -> the patches applied when it is imported, in order
 if os.environ.get("DFLASH_TEST_STEP_DELAY"):
-    _PATCHES["dflash_train.train.metrics"] = _patch_metrics
+    _PATCHES.setdefault("dflash_train.train.metrics", []).append(_patch_metrics)
 if os.environ.get("DFLASH_TEST_COMMIT_DELAY"):
-    _PATCHES["dflash_train.checkpoint.manager"] = _patch_manager
+    _PATCHES.setdefault("dflash_train.checkpoint.manager", []).append(_patch_manager)
+if os.environ.get("DFLASH_TEST_BEFORE_CHECKPOINT"):
+    _PATCHES.setdefault("dflash_train.checkpoint.manager", []).append(_patch_before_checkpoint)
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        patch = _PATCHES.get(name)
-        if patch is None:
+        patches = _PATCHES.get(name)
+        if not patches:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -79,7 +99,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_then_patch(module):
             exec_module(module)
-            patch(module)
+            for patch in patches:
+                patch(module)
 
         spec.loader.exec_module = exec_then_patch
         return spec

@@ -4,16 +4,16 @@ Public API (see manager.py / store.py / rng.py and dflash_train.rundir for the d
 
     mgr = CheckpointManager(ckpt_dir, keep_last, async_save=True, log=print)
     mgr.save(step, tensors, objects, meta)   # snapshot now, write in the background
-    mgr.wait(); mgr.abandon(); mgr.mark_best(step)
+    mgr.wait(); mgr.raise_failure(); mgr.abandon(); mgr.mark_best(step)
     mgr.last_committed_step, mgr.last_committed_path, mgr.last_stats (SaveStats)
 
     find_resumable(ckpt_dir, log) -> Path | None      # newest that verifies
     load_checkpoint(path, map_location="cpu") -> (tensors, objects, manifest)
     verify_checkpoint(path) -> list[str]              # [] = valid
     capture_rng_state(extra_generators) / restore_rng_state(state, extra_generators)
-    CheckpointError
+    CheckpointError, CheckpointWriteError (a refused write: also a one-line UserError)
 """
-from dflash_train.checkpoint.manager import CheckpointManager, SaveStats
+from dflash_train.checkpoint.manager import CheckpointManager, CheckpointWriteError, SaveStats
 from dflash_train.checkpoint.rng import capture_rng_state, restore_rng_state
 from dflash_train.checkpoint.store import load_checkpoint
 from dflash_train.rundir import (
@@ -34,6 +34,7 @@ __all__ = [
     "LATEST",
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointWriteError",
     "SaveStats",
     "capture_rng_state",
     "find_resumable",

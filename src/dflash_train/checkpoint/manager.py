@@ -18,7 +18,10 @@ Usage from the train loop::
 to CPU), so training may mutate the live model right after. The write runs in a
 daemon background thread (or inline when async_save=False); only one write is
 in flight: `save` first waits for the previous one. A write that failed is
-re-raised as CheckpointError by the next `save` or `wait`.
+re-raised as CheckpointError by the next `save`, `wait` or `raise_failure` (the one that
+does not wait: a training loop calls it every step); a write the file system refused
+(full, read-only, vanished) as CheckpointWriteError, also a UserError whose one line names
+the file and the cause. Either way the temp dir is removed and ``latest`` is unchanged.
 
 `objects` must be "plain" (checkpoint/snapshot.py): anything else raises TypeError
 at `save` time naming the key path, because state.pt is loaded with
@@ -92,6 +95,7 @@ from dflash_train.rundir import (
     step_dir_name,
     verify_checkpoint,
 )
+from dflash_train.storage import StorageError, writing
 from dflash_train.utils import code_version, save_safetensors
 
 Log = Callable[[str], None]
@@ -112,6 +116,11 @@ class SaveStats:
 
 class _Abandoned(Exception):
     pass
+
+
+class CheckpointWriteError(StorageError, CheckpointError):
+    """The file system refused a checkpoint write (full, read-only, vanished): a CheckpointError
+    for the code that waits on saves, and a UserError (one line, exit 2) for the CLI."""
 
 
 def _stderr_log(msg: str) -> None:
@@ -227,6 +236,12 @@ class CheckpointManager:
         self._raise_error()
         return True
 
+    def raise_failure(self) -> None:
+        """Re-raise (once) the failure of a write that has finished, without waiting for one in flight."""
+        t = self._thread
+        if t is None or not t.is_alive():
+            self._raise_error()
+
     def abandon(self, timeout: float = 5.0) -> None:
         """Stop the save in progress without committing it (second signal).
 
@@ -282,25 +297,32 @@ class CheckpointManager:
         except BaseException as e:  # noqa: BLE001 - reported by wait()/save()
             shutil.rmtree(tmp, ignore_errors=True)
             self._error = e
-            self.log(f"error: checkpoint step {step} failed: {type(e).__name__}: {e}")
+            what = str(e) if isinstance(e, CheckpointWriteError) else f"{type(e).__name__}: {e}"
+            self.log(f"error: checkpoint step {step} failed: {what}")
 
     def _write(self, tmp: Path, step: int, tensors, objects, meta, snapshot_s: float) -> None:
         t0 = time.perf_counter()
-        tmp.mkdir()
+        # a refused write names the file by its final name (the temp dir is removed on failure)
+        final = self.ckpt_dir / step_dir_name(step)
+        with writing(final, "creating", CheckpointWriteError):
+            tmp.mkdir()
         self._check()
         model_path = tmp / MODEL_FILE
-        save_safetensors(tensors, model_path, metadata={"format": "pt", "step": str(step)})
-        fsync_path(model_path)
+        with writing(final / MODEL_FILE, error=CheckpointWriteError):
+            save_safetensors(tensors, model_path, metadata={"format": "pt", "step": str(step)})
+            fsync_path(model_path)
         self._check()
         state_path = tmp / STATE_FILE
-        with open(state_path, "wb") as f:
-            torch.save(objects, f)
-            f.flush()
-            os.fsync(f.fileno())
+        with writing(final / STATE_FILE, error=CheckpointWriteError):
+            with open(state_path, "wb") as f:
+                torch.save(objects, f)
+                f.flush()
+                os.fsync(f.fileno())
         self._check()
         files = {}
         for p in (model_path, state_path):
-            files[p.name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+            with writing(final / p.name, "reading back", CheckpointWriteError):
+                files[p.name] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
             self._check()
         manifest = {
             "format_version": FORMAT_VERSION,
@@ -312,12 +334,14 @@ class CheckpointManager:
             "files": files,
             "meta": meta,
         }
-        with open(tmp / MANIFEST_FILE, "w") as f:
-            f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        final, replaced = self._commit(tmp, step)
+        with writing(final / MANIFEST_FILE, error=CheckpointWriteError):
+            with open(tmp / MANIFEST_FILE, "w") as f:
+                f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(tmp)
+        with writing(final, "committing", CheckpointWriteError):
+            final, replaced = self._commit(tmp, step)
         if replaced is not None:
             self.log(f"checkpoint: moved the earlier {final.name} aside to {replaced} (step saved again)")
         self._retention(step, final)

@@ -49,6 +49,7 @@ from dflash_train.data.sources import (
 from dflash_train.data.augment import copy_task_documents
 from dflash_train.data.template import ChatFormat, TemplateMismatch
 from dflash_train.errors import parse_file
+from dflash_train.storage import StorageError, writing
 from dflash_train.utils import save_safetensors
 
 log = logging.getLogger(__name__)
@@ -224,11 +225,24 @@ def build_prepared(cfg, tokenizer, family: str | None,
 
 def save_prepared(data: PreparedData, out_dir: Path, inputs: dict[str, Any]) -> Path:
     """Write `data` to `out_dir` atomically (a temp dir renamed into place); files get
-    the usual (umask-respecting) permissions, like every file a server may read."""
+    the usual (umask-respecting) permissions, like every file a server may read. A write the
+    file system refuses raises StorageError naming `out_dir`; the temp dir is removed."""
 
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp{os.getpid()}"
+    try:
+        with writing(out_dir):
+            _write_prepared(data, tmp, inputs)
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failure's leftovers
+    return out_dir
+
+
+def _write_prepared(data: PreparedData, tmp: Path, inputs: dict[str, Any]) -> None:
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     shards = []
@@ -245,10 +259,6 @@ def save_prepared(data: PreparedData, out_dir: Path, inputs: dict[str, Any]) -> 
     index = {"format_version": FORMAT_VERSION, "inputs": inputs, "key": cache_key(inputs), "shards": shards,
              "num_rows": data.num_rows, "max_tokens": data.max_tokens, "stats": data.stats}
     (tmp / "index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
 
 
 def read_prepared(path: Path) -> PreparedData:
@@ -309,8 +319,8 @@ def load_prepared(cfg, tokenizer, family: str | None = None,
     try:
         save_prepared(data, cdir, inputs)
         data.path = cdir
-    except OSError as e:
-        log.warning("could not write the prepared-data cache %s: %s", cdir, e)
+    except StorageError as e:  # the rows are in memory: a cache that cannot be written costs time, not data
+        log.warning("could not write the prepared-data cache: %s", e)
     data.stats["inputs"] = inputs
     data.stats["cache"] = "miss"
     return data

@@ -29,6 +29,7 @@ import torch
 
 from dflash_train.data.sources import Conversation, DataError, read_conversations
 from dflash_train.data.template import ChatFormat
+from dflash_train.storage import writing
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +120,13 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
     if src.startswith(("prepared:", "precomputed:")):
         raise DataError(f"regenerate reads conversations; data.source={src} has none")
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    with writing(out.parent, "creating"):
+        out.parent.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
     limit = max_conversations if max_conversations is not None else cfg.data.limit
     convs, _ = read_conversations(src, limit)
-    done = done_ids(out)
+    with writing(out):  # cutting a torn last line off
+        done = done_ids(out)
     todo = [c for c in convs if c.id not in done]
     counts = {"conversations": len(convs), "already_done": len(convs) - len(todo), "written": 0,
               "prompt_too_long": 0, "empty_answer": 0, "new_tokens": 0}
@@ -148,6 +151,10 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
     # batches of similar prompt lengths: left padding is wasted compute on every decode step
     items.sort(key=lambda it: len(it[1]))
     t0 = time.perf_counter()
+    # a refused write (full disk, read-only or vanished directory): one line; the batches fsync'd
+    # before stay, a torn last line is cut off by the rerun (done_ids)
+    appending = lambda: writing(out, hint="the answers written before are kept and "  # noqa: E731
+                                          "the same command goes on from there")
 
     def write(f, conv: Conversation, new: list[int], finished: bool) -> None:
         text = target.tokenizer.decode(new, skip_special_tokens=True).strip()
@@ -166,7 +173,7 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
             raise DataError("regenerate through an engine is greedy only (temperature 0)")
         runs = range(0, len(items), engine_chunk)
         console.print(f"regenerating {len(items)} answers in {len(runs)} batched engine run(s)")
-        with out.open("a", encoding="utf-8") as f:
+        with appending(), out.open("a", encoding="utf-8") as f:
             for b in runs:
                 chunk = items[b:b + engine_chunk]
                 try:
@@ -183,7 +190,7 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
         with Progress(TextColumn("[bold]regenerating[/bold]"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), TextColumn("{task.fields[tps]}"), console=console) as bar:
             task = bar.add_task("regen", total=len(items), tps="")
-            with out.open("a", encoding="utf-8") as f:
+            with appending(), out.open("a", encoding="utf-8") as f:
                 for b in range(0, len(items), batch_size):
                     chunk = items[b:b + batch_size]
                     seed = None if temperature == 0 else int(cfg.train.seed) * 1_000_003 + b

@@ -37,6 +37,7 @@ from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
 from dflash_train.pipeline.batch import TrainBatch
 from dflash_train.rundir import atomic_write_json, sha256_file
+from dflash_train.storage import writing
 from dflash_train.targets import load_target
 from dflash_train.utils import save_safetensors
 
@@ -57,7 +58,10 @@ def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard:
     out = Path(out)
     if (out / "index.json").exists():
         raise PrecomputeError(f"{out} already holds precomputed features (index.json); choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    # a refused write is one line; without index.json (written last) nothing here reads as features
+    again = "index.json is written last, so the same command starts these features again once that is fixed"
+    with writing(out, "creating", hint=again):
+        out.mkdir(parents=True, exist_ok=True)
     target = load_target(cfg.target)
 
     # the drafter's layers, plus (for train.loss distill / lk_*) the final hidden state: layer id
@@ -79,9 +83,10 @@ def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard:
                 progress(start + j + 1, n)
         name = f"shard-{s:05d}.safetensors"
         # save_safetensors: umask-respecting permissions (save_file alone creates 0600)
-        save_safetensors({"input_ids": ids.contiguous(), "loss_mask": mask.to(torch.uint8).contiguous(),
-                          "document_ids": docs.to(torch.int32).contiguous(),
-                          "features": torch.cat(feats).contiguous()}, out / name)
+        with writing(out / name, hint=again):
+            save_safetensors({"input_ids": ids.contiguous(), "loss_mask": mask.to(torch.uint8).contiguous(),
+                              "document_ids": docs.to(torch.int32).contiguous(),
+                              "features": torch.cat(feats).contiguous()}, out / name)
         shards.append({"file": name, "start": start, "rows": stop - start, "sha256": sha256_file(out / name)})
     index = {
         "format": FORMAT,
@@ -95,7 +100,8 @@ def precompute_features(cfg, out: Path, dtype: str = "bfloat16", rows_per_shard:
         "data_stats": {k: v for k, v in data.stats.items() if k != "skipped_examples"},
         "heldout": [c.to_json() for c in data.heldout],
     }
-    atomic_write_json(out / "index.json", index)
+    with writing(out / "index.json", hint=again):
+        atomic_write_json(out / "index.json", index)
     return out
 
 

@@ -110,6 +110,24 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def append_whole(path: Path, data: bytes) -> None:
+    """Append `data` to `path` (created if missing) all or nothing: when the write fails part
+    way (a disk that fills), the file is cut back to its old length, so a line-per-record file
+    never holds a torn line that the next append would run into."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # minus the umask, as open()
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except BaseException:
+            os.ftruncate(fd, size)  # giving space back works on a full disk
+            raise
+    finally:
+        os.close(fd)
+
+
 def read_json(path: Path) -> Any:
     """Parsed JSON of `path`; None when it does not exist; {"corrupt": reason} when it does not parse."""
     try:

@@ -1,5 +1,8 @@
 """Where metrics go: RUN_DIR/metrics.jsonl (full-precision floats), TensorBoard,
-and a rich progress bar on a terminal (plain lines otherwise)."""
+and a rich progress bar on a terminal (plain lines otherwise). A write the file system
+refuses is handled by the rule of train/faults.py: metrics.jsonl lines are held until they
+can be written (`MetricsLogger.ensure_written` before a checkpoint); train.log and
+TensorBoard warn once and the run goes on."""
 from __future__ import annotations
 
 import json
@@ -11,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash_train.rundir import RunDir, atomic_write_text
+from dflash_train.rundir import RunDir, append_whole, atomic_write_text
+from dflash_train.storage import cause_of, storage_error
 
 log = logging.getLogger("dflash_train")
 
@@ -27,7 +31,7 @@ def setup_logging(run_dir: Path, rank: int = 0, leader: bool = True) -> None:
         root.removeHandler(h)
         h.close()
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
-    fh = logging.FileHandler(path)
+    fh = _LogFile(path)
     fh.setFormatter(fmt)
     root.addHandler(fh)
     if leader:
@@ -36,6 +40,22 @@ def setup_logging(run_dir: Path, rank: int = 0, leader: bool = True) -> None:
         root.addHandler(sh)
     root.propagate = False
 
+
+
+class _LogFile(logging.FileHandler):
+    """train.log: a line the file system refuses (a full disk, a vanished directory) warns once
+    on stderr instead of logging's traceback per record; the run goes on (train/faults.py)."""
+
+    _warned = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        e = sys.exc_info()[1]
+        if not isinstance(e, OSError):
+            return super().handleError(record)
+        if not self._warned:
+            self._warned = True
+            print(f"warning: cannot write {self.baseFilename} ({cause_of(e)}); the log goes on on stderr only",
+                  file=sys.stderr, flush=True)
 
 
 def log_to_files(level: int, msg: str, exc_info: bool = False) -> None:
@@ -83,13 +103,15 @@ class MetricsLogger:
                  enabled: bool = True) -> None:
         self.enabled = enabled
         self.path = RunDir(run_dir).metrics
-        self._f = open(self.path, "a", buffering=1) if enabled else None
+        self._held: list[str] = []  # lines the file system refused so far, oldest first
+        self._refused: OSError | None = None
         self._tb = None
+        self._tb_dir = RunDir(run_dir).tensorboard
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(RunDir(run_dir).tensorboard), purge_step=start_step + 1)
+                self._tb = SummaryWriter(str(self._tb_dir), purge_step=start_step + 1)
             except Exception as e:  # noqa: BLE001 - TensorBoard is optional at run time
                 log.warning("TensorBoard disabled: %s", e)
         mode = progress
@@ -114,21 +136,53 @@ class MetricsLogger:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._f.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._held.append(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self._write_held()
         step = record["step"]
         if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self._tb.add_scalar(k.replace(".", "/"), v, step)
-                elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
-                    for i, x in enumerate(v):
-                        self._tb.add_scalar(f"{k}/{i + 1}", x, step)
-            self._tb.flush()
+            try:
+                self._tensorboard(record, step)
+            except Exception as e:  # noqa: BLE001 - a view: metrics.jsonl has the same numbers
+                log.warning("TensorBoard disabled: cannot write %s (%s)", self._tb_dir,
+                            cause_of(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}")
+                self._tb = None
         line = self.summary_line(record)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=line)
         elif self.mode == "plain":
             print(f"step {step}/{self.max_steps} {line}", file=sys.stderr, flush=True)
+
+    def _tensorboard(self, record: dict[str, Any], step: int) -> None:
+        for k, v in record.items():
+            if isinstance(v, (int, float)) and k != "step":
+                self._tb.add_scalar(k.replace(".", "/"), v, step)
+            elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+                for i, x in enumerate(v):
+                    self._tb.add_scalar(f"{k}/{i + 1}", x, step)
+        self._tb.flush()
+
+    def _write_held(self) -> bool:
+        """Append the held lines (all or none); False while the file system refuses them."""
+        if not self._held:
+            return True
+        try:
+            append_whole(self.path, "".join(self._held).encode())
+        except OSError as e:
+            if self._refused is None:
+                log.warning("cannot write %s (%s): its lines are held in memory and written once that works; "
+                            "no checkpoint is written before they are", self.path, cause_of(e))
+            self._refused = e
+            return False
+        if self._refused is not None:
+            log.info("%s: wrote the %d line(s) held since the write failed", self.path, len(self._held))
+            self._refused = None
+        self._held.clear()
+        return True
+
+    def ensure_written(self) -> None:
+        """Before a checkpoint: every line logged so far is in metrics.jsonl, or StorageError."""
+        if not self._write_held():
+            raise storage_error(self._refused, self.path)
 
     @staticmethod
     def summary_line(r: dict[str, Any]) -> str:
@@ -149,6 +203,9 @@ class MetricsLogger:
         if self._progress is not None:
             self._progress.stop()
         if self._tb is not None:
-            self._tb.close()
-        if self._f is not None:
-            self._f.close()
+            try:
+                self._tb.close()
+            except Exception as e:  # noqa: BLE001 - a view (train/faults.py)
+                log.warning("TensorBoard: cannot write %s (%s)", self._tb_dir, e)
+        if self.enabled:
+            self._write_held()  # lines still held stay for ensure_written

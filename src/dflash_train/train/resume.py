@@ -12,6 +12,7 @@ from dflash_train.model.dflash2 import architecture_mismatch
 from dflash_train.model.drafter import SERVING_ONLY_FIELDS
 from dflash_train.resume_rule import LR_SCHEDULE_KEYS, config_changes
 from dflash_train.rundir import RunDir
+from dflash_train.storage import writing
 from dflash_train.train.metrics import truncate_metrics
 from dflash_train.train.schedule import lr_factor
 
@@ -60,7 +61,8 @@ def apply_schedule_changes(scheduler, optimizer, resume_config: dict | None, cfg
 
 def keep_fresh_start_aside(run_dir: Path, resume_arg: str) -> None:
     """Fresh start: keep, never delete, what an earlier start left (checkpoint/aside.py)."""
-    set_aside_for_fresh_start(run_dir, resume_arg, log.warning)
+    with writing(run_dir, "moving the earlier checkpoints and metrics aside in"):
+        set_aside_for_fresh_start(run_dir, resume_arg, log.warning)
 
 
 def settle_timeline(run_dir: Path, resumed_from: Path, step: int) -> None:
@@ -68,7 +70,9 @@ def settle_timeline(run_dir: Path, resumed_from: Path, step: int) -> None:
     or ones that do not verify) are moved aside now, not at the first save; metrics.jsonl
     loses the lines logged after `step` (they are produced again)."""
     rd = RunDir(run_dir)
-    set_aside_newer(rd.checkpoints, resumed_from, step, log.warning, rd.metrics)
-    dropped = truncate_metrics(rd.metrics, step)
+    with writing(rd.checkpoints, "moving newer checkpoints aside in"):
+        set_aside_newer(rd.checkpoints, resumed_from, step, log.warning, rd.metrics)
+    with writing(rd.metrics):
+        dropped = truncate_metrics(rd.metrics, step)
     if dropped:
         log.info("metrics.jsonl: dropped %d lines logged after step %d (they are produced again)", dropped, step)

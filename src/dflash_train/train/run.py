@@ -9,7 +9,7 @@ The Trainer composes small parts: train/preflight.py (checks that write nothing)
 pipeline/training_data.py (the data and the target), train/step.py (one step),
 train/state.py + train/resume.py (checkpoint payload, resume rules),
 train/interval.py (what a logging interval adds up), train/eval_hook.py (the
-in-training eval callback).
+in-training eval callback), train/faults.py (what a refused write does to the run).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_train.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+from dflash_train.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError, load_checkpoint
 from dflash_train.config import ConfigError, RunConfig, save_config
 from dflash_train.control.signals import AbortRun, StopController, grace_warning
 from dflash_train.errors import UserError
@@ -33,9 +33,11 @@ from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.init_from_target import InitFromTargetError, init_layers_from_target
 from dflash_train.pipeline.remote import load_trainer_target, serve_target_rank, trainer_pipeline
 from dflash_train.pipeline.training_data import open_training_data
-from dflash_train.rundir import RunDir, RunDirBusy, RunRecord, step_dir_name
+from dflash_train.rundir import BEST, RunDir, RunDirBusy, RunRecord, step_dir_name
+from dflash_train.storage import StorageError, writing
 from dflash_train.train.distributed import DistContext
 from dflash_train.train.eval_hook import InTrainingEval
+from dflash_train.train.faults import RunFaults
 from dflash_train.train.interval import IntervalMeter
 from dflash_train.train.metrics import MetricsLogger, log_to_files, setup_logging
 from dflash_train.train.preflight import (
@@ -115,6 +117,8 @@ class Trainer:
         self.is_leader = ctx.is_leader
         self.state = TrainState()
         self.evals = InTrainingEval(cfg, evaluator, ctx.is_leader)
+        self.faults = RunFaults()
+        self._metrics: MetricsLogger | None = None
 
     # ------------------------------------------------------------------ set-up
     def _setup_logging(self) -> None:
@@ -133,10 +137,12 @@ class Trainer:
         if self.is_leader:
             self.record = RunRecord(self.run_dir)
             try:
-                self.record.acquire(argv=self.argv, code_version=code_version(), config_hash=self.cfg.hash())
+                with writing(RunDir(self.run_dir).record):
+                    self.record.acquire(argv=self.argv, code_version=code_version(), config_hash=self.cfg.hash())
             except RunDirBusy as e:
                 raise TrainError(str(e)) from None
-            save_config(self.cfg, RunDir(self.run_dir).config)
+            with writing(RunDir(self.run_dir).config):
+                save_config(self.cfg, RunDir(self.run_dir).config)
         log.info("run dir %s, code %s, config %s", self.run_dir, code_version(), self.cfg.hash())
 
     def _load_target(self, tokenizer):
@@ -287,8 +293,8 @@ class Trainer:
                 self.ckpt = _FollowerCheckpoints()
             stopper.set_on_abandon(self.ckpt.abandon)
             if self.record is not None:  # resumed_step: what deploy's health check reads (0: a fresh start)
-                self.record.update(step=self.state.step, last_checkpoint=self._last_ckpt_name(),
-                                   resumed_step=self.state.step)
+                self.faults.view(self.record.path, self.record.update, step=self.state.step,
+                                 last_checkpoint=self._last_ckpt_name(), resumed_step=self.state.step)
             exit_code = self._loop(stopper)
         except AbortRun:
             log.warning("second signal: abandoned the checkpoint in progress, exiting 130")
@@ -296,9 +302,9 @@ class Trainer:
         finally:
             if self.ckpt is not None and exit_code != 130:
                 self.ckpt.wait()
-            if self.record is not None:
-                self.record.release(last_checkpoint=self._last_ckpt_name(), step=self.state.step,
-                                    stop_reason=self.stop_reason)
+            if self.record is not None:  # a refused write leaves run.json live with a dead pid: `status` says not live
+                self.faults.view(self.record.path, self.record.release, last_checkpoint=self._last_ckpt_name(),
+                                 step=self.state.step, stop_reason=self.stop_reason)
             if exit_code != 130:  # after an abort, keep the handler: a third signal still exits 130 at once
                 stopper.uninstall()
         return exit_code
@@ -309,17 +315,36 @@ class Trainer:
 
     def _on_commit(self, step: int, path: Path) -> None:
         if self.record is not None:  # writer thread; RunRecord.update is thread-safe
-            self.record.update(last_checkpoint=Path(path).name)
+            self.faults.view(self.record.path, self.record.update, last_checkpoint=Path(path).name)
 
     def _last_ckpt_name(self) -> str | None:
         step = getattr(self.ckpt, "last_committed_step", None) if self.ckpt else None
         return step_dir_name(step) if step is not None else None
 
     def _save(self, reason: str) -> None:
-        tensors, objects, meta = self._checkpoint_payload()
-        meta["reason"] = reason
-        self.ckpt.save(self.state.step, tensors, objects, meta)
+        """Checkpoint this step; a refused write (this one, or an earlier one still being
+        reported) stops the run at the next step boundary instead (train/faults.py)."""
+        try:
+            if self._metrics is not None:
+                self._metrics.ensure_written()  # never a checkpoint ahead of metrics.jsonl
+            tensors, objects, meta = self._checkpoint_payload()
+            meta["reason"] = reason
+            self.ckpt.save(self.state.step, tensors, objects, meta)
+        except StorageError as e:
+            self.faults.stop_with(e)
+            return
         self._last_saved = self.state.step
+
+    def _checkpoints_ok(self, wait: bool = False) -> bool:
+        """False once a checkpoint write failed (kept in self.faults); `wait`: for the one in flight."""
+        try:
+            if wait:
+                self.ckpt.wait()
+            else:
+                self.ckpt.raise_failure()
+        except CheckpointWriteError as e:
+            self.faults.stop_with(e)
+        return self.faults.fatal is None
 
     def _pipeline(self):
         return trainer_pipeline(self.ctx, self.cfg, self.data, self.target, self.drafter_cfg.target_layer_ids,
@@ -327,8 +352,9 @@ class Trainer:
 
     def _loop(self, stopper) -> int:
         """Steps until a stop; logging, eval and checkpoints each decide their own timing."""
-        metrics = MetricsLogger(self.run_dir, self.cfg.train.max_steps, self.state.step, self.cfg.logging.tensorboard,
-                                self.cfg.logging.progress, enabled=self.is_leader)
+        metrics = self._metrics = MetricsLogger(self.run_dir, self.cfg.train.max_steps, self.state.step,
+                                                self.cfg.logging.tensorboard, self.cfg.logging.progress,
+                                                enabled=self.is_leader)
         pipe = self._pipeline()
         interval = IntervalMeter(self.drafter_cfg.block_size, self.device)
         t_start, stop_reason, self._step_times, self._last_saved = time.time(), None, [], self.state.step
@@ -351,16 +377,21 @@ class Trainer:
             metrics.close()
         log.info("stopping at step %d (%s)", self.state.step, stop_reason)
         self.stop_reason = stop_reason  # run.json says why the run ended (compare resumes what did not finish)
-        if self.state.step != self._last_saved and self.state.step > 0:
+        if self.faults.fatal is None and self.state.step != self._last_saved and self.state.step > 0:
             self._save(stop_reason or "stop")
-        self.ckpt.wait()
+        if not self._checkpoints_ok(wait=True):
+            self.stop_reason = "storage fault"
+            raise self.faults.final_error(self.state.step, self._last_ckpt_name())
         return 1 if stop_reason == "non-finite" else 0
 
     def _stop_reason(self, stopper, t_start: float) -> str | None:
         """At a step boundary every rank agrees to stop at the same step (a collective: every rank calls it)."""
         t = self.cfg.train
-        local_stop = stopper.stop_requested or (t.max_seconds > 0 and time.time() - t_start >= t.max_seconds)
+        faulty = not self._checkpoints_ok()  # a failed checkpoint write ends the run (train/faults.py)
+        local_stop = faulty or stopper.stop_requested or (t.max_seconds > 0 and time.time() - t_start >= t.max_seconds)
         if self.ctx.agree_stop(local_stop):
+            if faulty:
+                return "storage fault"
             return stopper.signal_name or ("time budget" if t.max_seconds else "peer rank")
         return "max_steps" if self.state.step >= t.max_steps else None
 
@@ -391,7 +422,8 @@ class Trainer:
         rec.update(stats.snapshot_and_reset())
         metrics.log(rec)
         if self.record is not None:
-            self.record.update(step=self.state.step, tokens_per_s=rec["tokens_per_s"], loss=rec["loss"])
+            self.faults.view(self.record.path, self.record.update, step=self.state.step,
+                             tokens_per_s=rec["tokens_per_s"], loss=rec["loss"])
 
     def _maybe_eval(self, interval: IntervalMeter, metrics) -> None:
         if self.evals.due(self.state.step):
@@ -426,9 +458,14 @@ class Trainer:
             return
         if self._last_saved != self.state.step:
             self._save("best")
-        self.ckpt.wait()
+        if not self._checkpoints_ok(wait=True):
+            return  # the run stops at the next step boundary; `best` stays where it was
         if self.is_leader:
-            self.ckpt.mark_best(self.state.step)
+            try:
+                with writing(RunDir(self.run_dir).checkpoints / BEST, error=CheckpointWriteError):
+                    self.ckpt.mark_best(self.state.step)
+            except StorageError as e:
+                self.faults.stop_with(e)
 
 
 class _FollowerCheckpoints:
@@ -443,6 +480,9 @@ class _FollowerCheckpoints:
 
     def wait(self, *a, **k) -> bool:
         return True
+
+    def raise_failure(self) -> None:
+        pass
 
     def abandon(self, *a, **k) -> None:
         pass
