@@ -14,7 +14,7 @@ the token ids our trainer sees):
 * heldout.jsonl: the held-out conversations' first user turns, {"id", "prompt"}: the prompts every
   drafter is judged on (what `dflash-train eval --prompts heldout` scores).
 * target_dir.txt: the HF directory of the target (the converted GGUF vLLM serves).
-* data.json: counts.
+* data.json: counts, the regenerated file and data.limit (what dflash-train is given too).
 """
 from __future__ import annotations
 
@@ -33,14 +33,17 @@ from dflash_train.targets import load_tokenizer
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_peer_data(regenerated: Path, out: Path, config: Path) -> dict:
-    cfg = load_config(config, [f"data.regenerated={regenerated}"])
+def write_peer_data(regenerated: Path, out: Path, config: Path, limit: int | None = None) -> dict:
+    """`limit`: the first conversations of `regenerated` only (data.limit, which every trainer is
+    then given: a budget smaller than the demo's needs less data, and the peers' features less disk)."""
+    overrides = [f"data.regenerated={Path(regenerated).resolve()}"] + ([f"data.limit={limit}"] if limit else [])
+    cfg = load_config(config, overrides)
     tok, family = load_tokenizer(cfg.target)
     fmt = ChatFormat(tok, family)
     convs, _ = read_source_conversations(cfg)
     min_sup = min_supervised_for(cfg)
     out.mkdir(parents=True, exist_ok=True)
-    counts = {"conversations": len(convs), "train_documents": 0, "heldout": 0, "template_mismatch": 0,
+    counts = {"regenerated": str(Path(regenerated).resolve()), "limit": cfg.data.limit, "conversations": len(convs), "train_documents": 0, "heldout": 0, "template_mismatch": 0,
               "dropped_short": 0, "tokens": 0, "supervised_tokens": 0}
     with (out / "train.jsonl").open("w") as tf, (out / "heldout.jsonl").open("w") as hf:
         for conv in convs:
@@ -74,8 +77,9 @@ def main() -> None:
     ap.add_argument("--regenerated", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--config", type=Path, default=REPO / "configs" / "cpu-demo.yaml")
+    ap.add_argument("--limit", type=int, default=None, help="the first N conversations only (data.limit)")
     a = ap.parse_args()
-    print(json.dumps(write_peer_data(a.regenerated, a.out, a.config)))
+    print(json.dumps(write_peer_data(a.regenerated, a.out, a.config, a.limit)))
 
 
 if __name__ == "__main__":

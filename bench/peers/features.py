@@ -45,8 +45,13 @@ def _decoder_layers(model):
 @torch.inference_mode()
 def iter_hidden_states(target_dir: str | Path, rows: Iterable[dict], hf_indices: list[int],
                        prenorm_last: bool = False, dtype: torch.dtype = torch.float32,
-                       model=None) -> Iterator[tuple[dict, torch.Tensor]]:
-    """Yields (row, features [seq, len(hf_indices) (+1), hidden]) for each row, one forward each."""
+                       model=None, batch_tokens: int = 4096, window: int = 64) -> Iterator[tuple[dict, torch.Tensor]]:
+    """Yields (row, features [seq, len(hf_indices) (+1), hidden]) for each row, in the rows' order.
+
+    Rows are batched for speed (one forward per row ran at ~60 tok/s on 2 loaded cores): each
+    `window` rows are sorted by length, right-padded into batches of <= `batch_tokens` tokens with
+    an attention mask (causal attention: a real position never sees the padding after it), and
+    yielded in their original order, each cut to its own length."""
     model = model if model is not None else load_target(target_dir, dtype)
     captured: dict[str, torch.Tensor] = {}
     hook = None
@@ -55,16 +60,48 @@ def iter_hidden_states(target_dir: str | Path, rows: Iterable[dict], hf_indices:
             captured["last"] = out[0] if isinstance(out, tuple) else out
         hook = _decoder_layers(model)[-1].register_forward_hook(keep)
     try:
+        chunk: list[dict] = []
         for row in rows:
-            ids = torch.tensor([row["input_ids"]], dtype=torch.long)
-            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
-            feats = [out.hidden_states[i][0] for i in hf_indices]
-            if prenorm_last:
-                feats.append(captured.pop("last")[0])
-            yield row, torch.stack(feats, dim=1).to(dtype).contiguous()
+            chunk.append(row)
+            if len(chunk) == window:
+                yield from _window(model, chunk, hf_indices, prenorm_last, dtype, batch_tokens, captured)
+                chunk = []
+        if chunk:
+            yield from _window(model, chunk, hf_indices, prenorm_last, dtype, batch_tokens, captured)
     finally:
         if hook is not None:
             hook.remove()
+
+
+def _window(model, chunk, hf_indices, prenorm_last, dtype, batch_tokens, captured):
+    order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["input_ids"]))
+    feats: dict[int, torch.Tensor] = {}
+    batch: list[int] = []
+
+    def run(batch: list[int]) -> None:
+        T = max(len(chunk[i]["input_ids"]) for i in batch)
+        ids = torch.zeros((len(batch), T), dtype=torch.long)
+        att = torch.zeros((len(batch), T), dtype=torch.long)
+        for b, i in enumerate(batch):
+            n = len(chunk[i]["input_ids"])
+            ids[b, :n] = torch.tensor(chunk[i]["input_ids"], dtype=torch.long)
+            att[b, :n] = 1
+        out = model(input_ids=ids, attention_mask=att, output_hidden_states=True, use_cache=False)
+        layers = [out.hidden_states[j] for j in hf_indices] + ([captured.pop("last")] if prenorm_last else [])
+        stacked = torch.stack(layers, dim=2).to(dtype)  # [B, T, K, H]
+        for b, i in enumerate(batch):
+            feats[i] = stacked[b, :len(chunk[i]["input_ids"])].contiguous()
+
+    for i in order:
+        n = len(chunk[i]["input_ids"])
+        if batch and (len(batch) + 1) * max(n, len(chunk[batch[-1]]["input_ids"])) > batch_tokens:
+            run(batch)
+            batch = []
+        batch.append(i)
+    if batch:
+        run(batch)
+    for i, row in enumerate(chunk):
+        yield row, feats.pop(i)
 
 
 def timed(fn, *args, **kwargs) -> tuple[object, float]:

@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/peers/ours/run.py DATA_DIR OUT_DIR [--steps N] [--seconds S] [--seed K] [--threads T]
 
-trains with `dflash-train train` on DATA_DIR/regenerated.jsonl (the same target-written answers
-the peers read as DATA_DIR/train.jsonl, cut into the same documents), configs/cpu-demo.yaml's
+trains with `dflash-train train` on the target-written answers and data.limit DATA_DIR/data.json
+names (the documents the peers read as DATA_DIR/train.jsonl), configs/cpu-demo.yaml's
 recipe with the common settings (1 layer, block 8, target layer [15], mask 16, full attention,
 float32), exports to OUT_DIR/export and writes OUT_DIR/result.json. Our trainer captures the
 target's features online in the same process (cached after their first use), so the training
@@ -36,7 +36,8 @@ def main() -> int:
     out = a.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / "run"
-    overrides = [f"data.regenerated={(a.data_dir / 'regenerated.jsonl').resolve()}", "model.target_layer_ids=[15]",
+    data = json.loads((a.data_dir / "data.json").read_text())  # bench/peers/data.py: the same documents
+    overrides = [f"data.regenerated={data['regenerated']}", f"data.limit={data['limit']}", "model.target_layer_ids=[15]",
                  "model.mask_token_id=16", f"train.max_steps={a.steps}", f"train.seed={a.seed}",
                  f"train.max_seconds={a.seconds if a.seconds > 0 else 1e9}", "checkpoint.every_steps=100000",
                  "checkpoint.keep_last=1", "logging.every_steps=10"]
