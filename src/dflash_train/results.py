@@ -98,9 +98,9 @@ def engine_rows(measurement: Mapping[str, Any], measured_by: str = "vllm") -> li
     return [engine_row(r, measured_by) for r in measurement.get("rows", [])]
 
 
-def engine_cells(row: MethodRow, missing: str = "-", speedup_suffix: str = "") -> list[str]:
-    """An engine row as text, in ENGINE_COLUMNS order (no k for plain decoding; lossless "-" when
-    not compared with a plain run)."""
+def engine_cells(row: MethodRow, missing: str = "-", speedup_suffix: str = "", unchecked: str = "-") -> list[str]:
+    """An engine row as text, in ENGINE_COLUMNS order (no k for plain decoding; lossless `unchecked`
+    when not compared with a plain run: "-", or "n/a (sampling)" where outputs differ by chance)."""
     return [row.method, str(row.k or "-"), fmt(row.tau, ".3f", missing), fmt(row.tokens_per_draft, ".3f", missing),
             fmt(row.tokens_per_s, ".2f", missing), fmt(row.speedup, ".2f", missing, speedup_suffix),
-            "-" if row.lossless is None else ("yes" if row.lossless else "NO")]
+            unchecked if row.lossless is None else ("yes" if row.lossless else "NO")]

@@ -40,6 +40,7 @@ from dflash_train.config import TargetConfig, read_run_config
 from dflash_train.errors import UserError
 from dflash_train.eval.command import _heldout_from_run, _jsonable
 from dflash_train.eval.prompts import encode_prompts, read_prompts_file
+from dflash_train.eval.suites import suite_names
 from dflash_train.export import export_checkpoint, resolve_drafter_source
 from dflash_train.results import ENGINE_COLUMNS, engine_cells, engine_rows
 from dflash_train.targets import converted_dir, load_target, load_tokenizer
@@ -111,9 +112,25 @@ def check_k(k: int | None, block_size: int, name: str) -> None:
 def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]],
                     stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str] = ("plain", "ngram", "dflash"),
                     k: int | None = None, dtype: str | None = None, log: Callable[[str], None] | None = None,
-                    timeout_s: float = 3600.0) -> dict[str, Any]:
+                    timeout_s: float = 3600.0, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
     """Serve `target_dir` with each method in vLLM; returns {"vllm_version", "rows": [...], ...}
     (module docstring). Raises UserError (one line) when vLLM cannot serve the pair."""
+    t0 = time.perf_counter()
+    res, job = serve_methods(export_dir, target_dir, prompt_ids, stop_token_ids, max_new_tokens, methods, k, dtype,
+                             log, timeout_s, temperature, top_p)
+    rows = summarise(res["methods"], len(job["prompts"]), compare_outputs=temperature <= 0)
+    return {"vllm_version": res.get("vllm_version"), "rows": rows, "k": job["methods"][0]["k"], "dtype": job["dtype"],
+            "num_prompts": len(job["prompts"]), "max_new_tokens": int(max_new_tokens),
+            "temperature": float(temperature), "top_p": float(top_p),
+            "seconds": time.perf_counter() - t0, "outputs": {m["name"]: m["outputs"] for m in res["methods"]}}
+
+
+def serve_methods(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]],
+                  stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str], k: int | None = None,
+                  dtype: str | None = None, log: Callable[[str], None] | None = None, timeout_s: float = 3600.0,
+                  temperature: float = 0.0, top_p: float = 1.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The worker's raw result (each method's outputs, seconds and counters, in total and per prompt)
+    and the job it ran. Raises UserError (one line) when vLLM cannot serve the pair."""
     export_dir = Path(export_dir).resolve()
     cfg = json.loads((export_dir / "config.json").read_text())
     k = int(k or int(cfg.get("block_size") or cfg.get("dflash_config", {}).get("block_size", 16)) - 1)
@@ -122,20 +139,18 @@ def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Seq
         "max_model_len": _max_model_len(target_dir),
         "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
         "stop_token_ids": [int(s) for s in stop_token_ids],
+        "temperature": float(temperature), "top_p": float(top_p),
         "methods": [{"name": m, "k": k, **({"model": str(export_dir)} if m == "dflash" else {})}
                     for m in methods],
     }
     if log:
+        sampling = f"temperature {temperature:g}, top-p {top_p:g}" if temperature > 0 else "greedy"
         log(f"vLLM: serving {target_dir} with {', '.join(methods)} ({len(job['prompts'])} prompts, "
-            f"<= {max_new_tokens} new tokens, k {k}, {job['dtype']}); one engine start each")
-    t0 = time.perf_counter()
+            f"<= {max_new_tokens} new tokens, k {k}, {job['dtype']}, {sampling}); one engine start each")
     res = run_worker(job, timeout_s)
     if "error" in res:
         raise UserError(f"vLLM cannot serve {export_dir.name} on {target_dir}: {_one_line(res['error'])}")
-    rows = summarise(res["methods"], len(job["prompts"]))
-    return {"vllm_version": res.get("vllm_version"), "rows": rows, "k": k, "dtype": job["dtype"],
-            "num_prompts": len(job["prompts"]), "max_new_tokens": int(max_new_tokens),
-            "seconds": time.perf_counter() - t0, "outputs": {m["name"]: m["outputs"] for m in res["methods"]}}
+    return res, job
 
 
 def _one_line(error: str, limit: int = 400) -> str:
@@ -226,8 +241,10 @@ def vllm_answers(target_path: str, log: Callable[[str], None] | None = None):
     return generate
 
 
-def summarise(methods: Sequence[dict], num_prompts: int) -> list[dict[str, Any]]:
-    """One row per method: tau, tokens per draft, tok/s, speedup and lossless vs plain."""
+def summarise(methods: Sequence[dict], num_prompts: int, compare_outputs: bool = True) -> list[dict[str, Any]]:
+    """One row per method: tau, tokens per draft, tok/s, speedup and lossless vs plain.
+    compare_outputs=False (sampling): outputs differ by chance, lossless is None (the acceptance
+    rule's own test is the check there)."""
     plain = next((m for m in methods if m["name"] == "plain"), None)
     rows = []
     for m in methods:
@@ -249,10 +266,23 @@ def summarise(methods: Sequence[dict], num_prompts: int) -> list[dict[str, Any]]
         base = next(r for r in rows if r["method"] == "plain")
         for r, m in zip(rows, methods):
             r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
-            r["lossless"] = m["outputs"] == plain["outputs"]
+            if compare_outputs:
+                r["lossless"] = m["outputs"] == plain["outputs"]
     return rows
 
 
+def methods_over(methods: Sequence[dict], indices: Sequence[int]) -> list[dict]:
+    """The worker's methods restricted to some of the prompts (a suite, a category): their outputs,
+    and seconds and counters summed from the per-prompt figures."""
+    out = []
+    for m in methods:
+        per = [m["per_prompt"][i] for i in indices]
+        out.append({**m, "outputs": [m["outputs"][i] for i in indices], "seconds": sum(p["seconds"] for p in per),
+                    **{c: sum(p[c] for p in per) for c in COUNTER_KEYS}})
+    return out
+
+
+COUNTER_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 LABELS = {"plain": "plain vLLM", "ngram": "vLLM n-gram", "dflash": "DFlash (vLLM)"}
 
 
@@ -263,51 +293,84 @@ def print_engine_table(res: dict[str, Any], title: str) -> None:
     t = Table(title=title)
     for c in ENGINE_COLUMNS:
         t.add_column(c, justify="left" if c == "method" else "right")
+    unchecked = "n/a (sampling)" if res.get("temperature", 0.0) > 0 else "-"
     for row in engine_rows(res):
-        t.add_row(*engine_cells(row))
+        t.add_row(*engine_cells(row, unchecked=unchecked if not row.reference else "-"))
     con = Console()
     con.print(t)
     con.print(f"vLLM {res['vllm_version']}, {res['dtype']}, {res['num_prompts']} prompts x <= {res['max_new_tokens']} "
-              "tokens, greedy, batch 1. tau = tokens per target decode step (engine counters); "
-              "lossless = every output equals plain vLLM's.")
+              f"tokens, {sampling_text(res)}, batch 1. tau = tokens per target decode step (engine counters); "
+              + LOSSLESS_NOTE[res.get("temperature", 0.0) > 0])
 
 
-def serve_bench_command(drafter: Path, target: str | None, prompts: str, num_prompts: int, max_new_tokens: int,
+def sampling_text(res: dict[str, Any]) -> str:
+    t = res.get("temperature", 0.0)
+    return f"temperature {t:g}, top-p {res.get('top_p', 1.0):g}" if t > 0 else "greedy"
+
+
+LOSSLESS_NOTE = {False: "lossless = every output equals plain vLLM's.",
+                 True: "lossless n/a under sampling: outputs differ by chance; the check is the acceptance rule's "
+                       "test (tests/test_eval_specdec.py)."}
+
+
+def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, num_prompts: int, max_new_tokens: int,
                         methods: Sequence[str], as_json: bool, dtype: str | None = None,
-                        k: int | None = None) -> dict[str, Any]:
+                        k: int | None = None, suite: str | None = None, temperature: float = 0.0,
+                        top_p: float = 1.0) -> dict[str, Any]:
     """`dflash-train serve-bench`: the export (or a run's / checkpoint's drafter, exported to a
-    temporary dir first) served by vLLM on held-out prompts (or a prompts file)."""
+    temporary dir first) served by vLLM on held-out prompts, a prompts file, or benchmark suites
+    (`--suite`: one row per suite, eval/suite_bench.py)."""
+    suites = suite_names(suite, prompts)  # a bad name: one line before anything loads
+    check_sampling(temperature, top_p)
     bad = [m for m in methods if m not in LABELS]
     if bad:
         raise UserError(f"--method {bad[0]!r}: choose from {', '.join(LABELS)}")
     if num_prompts < 1 or max_new_tokens < 1:
         raise UserError("--num-prompts and --max-new-tokens must be >= 1")
     vllm_python()  # not installed: say so before any work
+    prompts = prompts or "heldout"
     src = resolve_drafter_source(drafter)
     check_k(k, src.config.block_size, "--k")
     run_cfg = _run_config_near(src)
     target_path = target or src.target_path or (run_cfg.target.path if run_cfg else None)
     if not target_path:
         raise UserError(f"{src.path}: no target recorded; pass --target")
-    prompt_list = None if prompts == "heldout" else read_prompts_file(prompts, num_prompts)
+    prompt_list = None if (suites or prompts == "heldout") else read_prompts_file(prompts, num_prompts)
     tok, family = load_tokenizer(TargetConfig(path=target_path))
     shim = TokenizerOnly(tok, family)
-    if prompt_list is None:
-        prompt_list = _heldout_from_run(run_cfg, shim, num_prompts)
-    ids, stops = encode_prompts(shim, prompt_list)
     log = None if as_json else (lambda m: print(m, file=sys.stderr, flush=True))
-    target_dir = served_target_dir(target_path)
     with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
         export_dir = src.path
         if src.kind != "export":
             export_dir = export_checkpoint(src.path, Path(tmp) / "export")
-        res = measure_in_vllm(export_dir, target_dir, ids, stops, max_new_tokens, methods, k=k, dtype=dtype, log=log)
-    res.update({"drafter": str(src.path), "target": target_path, "prompts": prompts})
+        if suites:
+            from dflash_train.eval.suite_bench import print_suite_tables, serve_suites
+
+            res = serve_suites(export_dir, target_path, shim, suites, num_prompts, max_new_tokens, methods, k=k,
+                               dtype=dtype, temperature=temperature, top_p=top_p, log=log)
+        else:
+            if prompt_list is None:
+                prompt_list = _heldout_from_run(run_cfg, shim, num_prompts)
+            ids, stops = encode_prompts(shim, prompt_list)
+            res = measure_in_vllm(export_dir, served_target_dir(target_path), ids, stops, max_new_tokens, methods,
+                                  k=k, dtype=dtype, log=log, temperature=temperature, top_p=top_p)
+    res.update({"drafter": str(src.path), "target": target_path})
+    if not suites:  # with --suite, "prompts" lists the suites' prompts (suite, item, category, turn)
+        res["prompts"] = prompts
     if as_json:  # with every method's output token ids (plain's are what the others must equal)
         print(json.dumps(_jsonable(res), allow_nan=False))
+    elif suites:
+        print_suite_tables(res, f"served by vLLM, per suite: {src.path} on {target_path}")
     else:
         print_engine_table(res, f"served by vLLM: {src.path} on {target_path}")
     return res
+
+
+def check_sampling(temperature: float, top_p: float) -> None:
+    if not temperature >= 0:  # also refuses nan
+        raise UserError(f"--temperature must be >= 0 (got {temperature}); 0 = greedy")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (got {top_p})")
 
 
 class TokenizerOnly:

@@ -7,9 +7,10 @@ and reads the result. A job with ``"mode": "generate"`` is batched greedy genera
 config cannot change on a live engine), shut down before the next starts.
 
 Per method: one warm-up generation, then every prompt alone (batch 1: the latency regime
-speculative decoding is for), greedy, timed by wall clock. The engine's own counters
-(`vllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens`) are read
-before and after the timed prompts; what the warm-up counted is subtracted.
+speculative decoding is for), greedy unless the job sets a temperature (then top-p and one seed
+per prompt), timed by wall clock. The engine's own counters (`vllm:spec_decode_num_drafts`,
+`..._num_draft_tokens`, `..._num_accepted_tokens`) are read before and after each timed prompt
+(per prompt and in total); what the warm-up counted is not included.
 """
 from __future__ import annotations
 
@@ -71,24 +72,33 @@ def run_method(job: dict, method: dict) -> dict:
               max_num_seqs=1, enable_prefix_caching=False, enforce_eager=job.get("enforce_eager", True))
     load_s = time.perf_counter() - t0
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"],
-                                stop_token_ids=job.get("stop_token_ids") or None)
         llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][0])],
                      SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
         before = _counters(llm)
-        outputs, seconds = [], 0.0
-        for ids in job["prompts"]:
+        outputs, seconds, per_prompt = [], 0.0, []
+        for i, ids in enumerate(job["prompts"]):
+            # under sampling each prompt has its own seed, the same for every method
+            sampled = job.get("temperature", 0.0) > 0
+            params = SamplingParams(temperature=job.get("temperature", 0.0), top_p=job.get("top_p", 1.0),
+                                    seed=job.get("seed", 0) + i if sampled else None, max_tokens=job["max_new_tokens"],
+                                    stop_token_ids=job.get("stop_token_ids") or None)
+            c0 = _counters(llm)
             t1 = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
-            seconds += time.perf_counter() - t1
+            dt = time.perf_counter() - t1
+            c1 = _counters(llm)
+            seconds += dt
             outputs.append(list(out.outputs[0].token_ids))
+            # per prompt: a caller reports groups of prompts (suites, categories) from one engine run
+            per_prompt.append({"seconds": dt, **{k.split(":", 1)[1]: c1[k] - c0[k] for k in _COUNTERS}})
         after = _counters(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
     return {"name": method["name"], "k": method.get("k", 0), "load_seconds": load_s, "seconds": seconds,
-            "outputs": outputs, **{k.split(":", 1)[1]: after[k] - before[k] for k in _COUNTERS}}
+            "outputs": outputs, "per_prompt": per_prompt,
+            **{k.split(":", 1)[1]: after[k] - before[k] for k in _COUNTERS}}
 
 
 def generate(job: dict) -> dict:

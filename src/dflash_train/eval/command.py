@@ -31,6 +31,7 @@ from dflash_train.eval.ngram import ngram_generate
 from dflash_train.eval.prompts import encode_prompts, eval_prompts, read_prompts_file
 from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.specdec import acceptance_histogram, plain_generate, speculative_generate, tau_of
+from dflash_train.eval.suites import suite_names
 from dflash_train.export import resolve_drafter_source
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.results import cells, eval_rows
@@ -184,6 +185,9 @@ def evaluate_tau(
         "steps_ngram": len(ngram_acc) if do_ngram else None,
         "new_tokens_ngram": n_ngram if do_ngram else None,
         "ngram_k": ngram_k if do_ngram else None,
+        # the raw sums behind the rates, so results over several prompt sets pool exactly (eval --suite)
+        "seconds_spec": t_spec, "seconds_plain": t_plain if measure_plain else None,
+        "seconds_ngram": t_ngram if do_ngram else None, "new_tokens_plain": n_plain if measure_plain else None,
         "block_seeds": cfg.block_seeds,
         "tau_unseeded": tau_of(unseeded_acc) if unseeded_acc is not None else None,
     }
@@ -263,8 +267,11 @@ def eval_command(
     seed: int,
     untrained: bool,
     as_json: bool,
+    suite: str | None = None,
 ) -> dict[str, Any]:
-    """`dflash-train eval`: load drafter + target, run `evaluate_tau`, print a table or one JSON object."""
+    """`dflash-train eval`: load drafter + target, run `evaluate_tau`, print a table or one JSON object.
+    suite: benchmark suites ("mtbench,humaneval") instead of prompts, one row each (eval/suite_bench.py)."""
+    suites = suite_names(suite, prompts)  # a bad name: one line before any model loads
     if num_prompts < 1:
         raise _err("--num-prompts must be >= 1")
     if max_new_tokens < 1:
@@ -273,7 +280,7 @@ def eval_command(
         raise _err("--temperature must be >= 0")
     # cheap checks first: the drafter and a prompts file before loading any model
     src = resolve_drafter_source(drafter)
-    prompt_list = None if prompts == "heldout" else read_prompts_file(prompts, num_prompts)
+    prompt_list = None if (suites or prompts == "heldout") else read_prompts_file(prompts, num_prompts)
     run_cfg = _run_config(src.run_dir)
     target_path = target or src.target_path or (run_cfg.target.path if run_cfg else None)
     if not target_path:
@@ -296,6 +303,9 @@ def eval_command(
             raise _err(f"{src.path}: weights do not fit the drafter config: missing {missing[:4]}, "
                        f"unexpected {unexpected[:4]}")
     model.to(tgt.device).eval()
+    if suites:
+        return _eval_suites(model, tgt, suites, src, target_path, num_prompts, max_new_tokens, temperature, seed,
+                            untrained, as_json)
     if prompt_list is None:
         prompt_list = _heldout_from_run(run_cfg, tgt, num_prompts)
     progress = None
@@ -326,4 +336,18 @@ def eval_command(
         kind = "untrained drafter (random init)" if untrained else f"{src.kind} {src.path}"
         label = "DFlash drafter (untrained)" if untrained else "DFlash drafter (trained)"
         _print_table(res, f"DFlash eval: {kind} vs {target_path}, T={temperature}", label)
+    return res
+
+
+def _eval_suites(model, tgt, suites, src, target_path: str, num_prompts: int, max_new_tokens: int, temperature: float,
+                 seed: int, untrained: bool, as_json: bool) -> dict[str, Any]:
+    from dflash_train.eval.suite_bench import eval_suites, print_suite_tables, stderr_log
+
+    progress = None if as_json else (lambda i, n: stderr_log(f"  prompt {i}/{n}"))
+    res = eval_suites(model, tgt, suites, num_prompts, max_new_tokens, temperature, seed, progress)
+    res.update({"drafter": str(src.path), "step": src.step, "target": target_path, "untrained": bool(untrained)})
+    if as_json:
+        print(json.dumps(_jsonable(res), allow_nan=False))
+    else:
+        print_suite_tables(res, f"DFlash eval per suite: {src.kind} {src.path} vs {target_path}, T={temperature}")
     return res

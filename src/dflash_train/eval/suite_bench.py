@@ -1,0 +1,254 @@
+"""`serve-bench --suite` and `eval --suite`: one row per benchmark suite (and per MT-Bench category).
+
+The suites and their prompt formats are `eval/suites.py`'s. Both commands decode every turn of
+every item of the chosen suites, MT-Bench's second turns after the target's own greedy first
+answers, and report per group of prompts:
+
+* in vLLM (`serve_suites`): each method served once over all the suites' prompts (one engine start
+  each, plus one plain engine for MT-Bench's first answers); a row's tau, tokens per draft and
+  tok/s come from the per-prompt engine counters and times of its prompts; tau is also our replay
+  of the same drafter on plain vLLM's outputs (greedy only: sampled outputs are not replayable);
+* in our decoding (`eval_suites`): `evaluate_tau` on each prompt, pooled per group (tau from the
+  pooled acceptance histograms, tok/s from the summed tokens and seconds).
+
+The printed layout ends with z-lab's table: speedup / tau per suite, one line per method.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Sequence
+
+from dflash_train.eval.suites import Group, SuitePrompt, all_turns, describe, groups_of, load_suite
+
+Log = Callable[[str], None]
+
+
+def suite_items(names: Sequence[str], num_prompts: int):
+    """The first `num_prompts` items of each suite (z-lab's order)."""
+    return [it for name in names for it in load_suite(name, num_prompts)]
+
+
+# ----------------------------------------------------------------- served by vLLM
+
+
+def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence[str], num_prompts: int,
+                 max_new_tokens: int, methods: Sequence[str], k: int | None = None, dtype: str | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, log: Log | None = None) -> dict[str, Any]:
+    """The export served by vLLM over the suites; `tokenizer_target`: anything with .tokenizer and
+    .family (the chat format). Rows per group (module docstring)."""
+    from dflash_train.data.template import ChatFormat
+    from dflash_train.engine.serve_bench import (DEFAULT_DTYPE, generate_in_vllm, methods_over, serve_methods,
+                                                 served_target_dir, summarise)
+
+    fmt = ChatFormat(tokenizer_target.tokenizer, tokenizer_target.family)
+    stops = fmt.stop_token_ids()
+    target_dir = served_target_dir(target_path)
+    dtype = dtype or DEFAULT_DTYPE
+    answered: list[list[int]] = []  # the token ids of those answers, in prompt order (--json shows them)
+
+    def first_answers(prompts: list[SuitePrompt]) -> list[str]:
+        # greedy, batch 1, the dtype measured: the answers plain vLLM gives these prompts in the bench
+        if log:
+            log(f"vLLM: the target's own greedy answers to {len(prompts)} first turns (the second turns follow them)")
+        ids = [fmt.prompt_ids(list(p.messages)) for p in prompts]
+        answers, _ = generate_in_vllm(target_dir, ids, stops, max_new_tokens, dtype, max_num_seqs=1)
+        answered.extend(a for a, _ in answers)
+        return [fmt.tokenizer.decode(a, skip_special_tokens=True) for a, _ in answers]
+
+    prompts = all_turns(suite_items(names, num_prompts), first_answers)
+    ids = [fmt.prompt_ids(list(p.messages)) for p in prompts]
+    raw, job = serve_methods(export_dir, target_dir, ids, stops, max_new_tokens, methods, k, dtype, log,
+                             temperature=temperature, top_p=top_p)
+    k = job["methods"][0]["k"]
+    greedy = temperature <= 0
+    outputs = {m["name"]: m["outputs"] for m in raw["methods"]}
+    replayed = None
+    if greedy and "dflash" in outputs and "plain" in outputs:
+        replayed = replay_per_prompt(export_dir, target_path, ids, outputs["plain"], k, log)
+    groups = []
+    for g in groups_of(prompts):
+        rows = summarise(methods_over(raw["methods"], g.indices), len(g.indices), compare_outputs=greedy)
+        groups.append({**group_head(g), **engine_figures(rows),
+                       "tau_replay": pooled_tau([replayed[i] for i in g.indices]) if replayed else None,
+                       "rows": rows})
+    return {"measured_by": "vllm", "vllm_version": raw.get("vllm_version"), "suites": list(names), "k": k,
+            "dtype": dtype, "temperature": float(temperature), "top_p": float(top_p),
+            "max_new_tokens": int(max_new_tokens), "num_prompts_per_suite": int(num_prompts), "groups": groups,
+            "prompts": describe(prompts), "answers_followed": answered, "outputs": outputs}
+
+
+def replay_per_prompt(export_dir, target_path: str, prompt_ids, outputs, k: int, log: Log | None) -> list[list[int]]:
+    """Our acceptance lengths of the export's drafter on plain vLLM's outputs, prompt by prompt
+    (masks only, the first k drafts of each block: as the engine drafts it)."""
+    from dflash_train.config import TargetConfig
+    from dflash_train.eval.replay import replay_acceptance
+    from dflash_train.export import resolve_drafter_source
+    from dflash_train.model.dflash2 import build_drafter
+    from dflash_train.targets import load_target
+
+    if log:
+        log(f"replay: the drafter on plain vLLM's {len(outputs)} outputs (our tau of the same drafter)")
+    target = load_target(TargetConfig(path=target_path))
+    src = resolve_drafter_source(export_dir)
+    drafter = build_drafter(src.config)
+    drafter.load_state_dict(src.state_dict)
+    drafter.to(target.device).eval()
+    return [replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=k)
+            for p, out in zip(prompt_ids, outputs)]
+
+
+def pooled_tau(acceptance: Sequence[Sequence[int]]) -> float | None:
+    steps = [a for per in acceptance for a in per]
+    return sum(steps) / len(steps) if steps else None
+
+
+def group_head(g: Group) -> dict[str, Any]:
+    return {"suite": g.suite, "category": g.category, "label": g.label, "num_prompts": len(g.indices)}
+
+
+def engine_figures(rows: Sequence[dict]) -> dict[str, Any]:
+    """A group's flat figures from its engine rows: DFlash's, n-gram's beside them, plain's tok/s."""
+    by = {r["method"]: r for r in rows}
+    d, ng, plain = by.get("dflash", {}), by.get("ngram", {}), by.get("plain", {})
+    return {"tau": d.get("tau"), "tokens_per_draft": d.get("tokens_per_draft"), "tokens_per_s": d.get("tokens_per_s"),
+            "speedup": d.get("speedup"), "lossless": d.get("lossless"),
+            "tau_ngram": ng.get("tau"), "tokens_per_draft_ngram": ng.get("tokens_per_draft"),
+            "tokens_per_s_ngram": ng.get("tokens_per_s"), "speedup_ngram": ng.get("speedup"),
+            "lossless_ngram": ng.get("lossless"), "tokens_per_s_plain": plain.get("tokens_per_s")}
+
+
+# ----------------------------------------------------------------- our decoding
+
+
+def eval_suites(drafter, target, names: Sequence[str], num_prompts: int, max_new_tokens: int, temperature: float,
+                seed: int, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """`evaluate_tau` over the suites' prompts with our decoding, pooled per group."""
+    import torch
+
+    from dflash_train.eval.command import evaluate_tau
+    from dflash_train.eval.prompts import chat_format
+    from dflash_train.eval.specdec import plain_generate
+
+    fmt = chat_format(target)
+    stops = fmt.stop_token_ids()
+
+    def first_answers(prompts: list[SuitePrompt]) -> list[str]:
+        out = []
+        for p in prompts:  # greedy, whatever the temperature measured: the target's own answer
+            ids = torch.tensor([fmt.prompt_ids(list(p.messages))], device=target.device)
+            seq = plain_generate(target, ids, max_new_tokens, stops)[0, ids.shape[1]:]
+            out.append(target.tokenizer.decode(seq.tolist(), skip_special_tokens=True))
+        return out
+
+    prompts = all_turns(suite_items(names, num_prompts), first_answers)
+    per_prompt = []
+    for i, p in enumerate(prompts):
+        # one prompt per call (seed + i: the sampling seed of prompt i), pooled per group below
+        per_prompt.append(evaluate_tau(drafter, target, [], max_new_tokens, temperature, seed + i,
+                                       prompt_ids=[fmt.prompt_ids(list(p.messages))], stop_token_ids=stops))
+        if progress is not None:
+            progress(i + 1, len(prompts))
+    groups = [{**group_head(g), **pool_eval([per_prompt[i] for i in g.indices], g.indices)}
+              for g in groups_of(prompts)]
+    return {"measured_by": "dflash-train", "suites": list(names), "k": drafter.cfg.block_size - 1,
+            "temperature": float(temperature), "max_new_tokens": int(max_new_tokens),
+            "num_prompts_per_suite": int(num_prompts), "groups": groups, "prompts": describe(prompts)}
+
+
+def pool_eval(results: Sequence[dict], indices: Sequence[int]) -> dict[str, Any]:
+    """Per-prompt `evaluate_tau` results pooled: tau from the summed histograms, tok/s from summed
+    tokens and seconds, lossless only if every prompt's output equalled plain decoding's."""
+    def tau(hist_key: str) -> float | None:
+        hists = [r[hist_key] for r in results if r.get(hist_key)]
+        steps = sum(v for h in hists for v in h.values())
+        return sum(int(k) * v for h in hists for k, v in h.items()) / steps if steps else None
+
+    def rate(tokens_key: str, seconds_key: str) -> float | None:
+        if any(r.get(seconds_key) is None for r in results):
+            return None
+        seconds = sum(r[seconds_key] for r in results)
+        return sum(r[tokens_key] for r in results) / seconds if seconds > 0 else None
+
+    def lossless(key: str) -> tuple[bool | None, list[int]]:
+        flags = [r.get(key) for r in results]
+        if any(f is None for f in flags):
+            return None, []
+        bad = [i for i, f in zip(indices, flags) if not f]
+        return not bad, bad
+
+    spec, plain = rate("new_tokens", "seconds_spec"), rate("new_tokens_plain", "seconds_plain")
+    ngram = rate("new_tokens_ngram", "seconds_ngram")
+    ok, bad = lossless("outputs_match")
+    ok_ng, bad_ng = lossless("outputs_match_ngram")
+    return {"tau": tau("histogram"), "tau_replay": None, "tokens_per_draft": None, "tokens_per_s": spec,
+            "speedup": spec / plain if spec and plain else None, "lossless": ok, "mismatched_prompts": bad,
+            "tau_ngram": tau("histogram_ngram"), "tokens_per_draft_ngram": None, "tokens_per_s_ngram": ngram,
+            "speedup_ngram": ngram / plain if ngram and plain else None, "lossless_ngram": ok_ng,
+            "mismatched_prompts_ngram": bad_ng, "tokens_per_s_plain": plain}
+
+
+# ----------------------------------------------------------------- the tables
+
+
+def print_suite_tables(res: dict[str, Any], title: str) -> None:
+    """One row per suite and MT-Bench category, then z-lab's layout (speedup / tau per suite)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash_train.results import fmt
+
+    engine = res["measured_by"] == "vllm"
+    sampled = res.get("temperature", 0.0) > 0
+    t = Table(title=title)
+    cols = ["suite", "prompts", "tau", "tau (replay)", "tokens/draft", "tok/s", "vs plain",
+            "n-gram tau", "n-gram vs plain", "plain tok/s", "lossless"]
+    if not engine:  # our decoding: tau is measured by decoding itself, and it has no per-draft counter
+        cols = [c for c in cols if c not in ("tau (replay)", "tokens/draft")]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "suite" else "right")
+    for g in res["groups"]:
+        cells = {"suite": g["label"], "prompts": str(g["num_prompts"]), "tau": fmt(g["tau"], ".3f", "-"),
+                 "tau (replay)": fmt(g["tau_replay"], ".3f", "-"), "tokens/draft": fmt(g["tokens_per_draft"], ".3f", "-"),
+                 "tok/s": fmt(g["tokens_per_s"], ".2f", "-"), "vs plain": fmt(g["speedup"], ".2f", "-", "x"),
+                 "n-gram tau": fmt(g["tau_ngram"], ".3f", "-"), "n-gram vs plain": fmt(g["speedup_ngram"], ".2f", "-", "x"),
+                 "plain tok/s": fmt(g["tokens_per_s_plain"], ".2f", "-"), "lossless": lossless_cell(g, sampled)}
+        t.add_row(*(cells[c] for c in cols))
+    # eleven columns: piped into a file or a log, do not wrap them at rich's default 80 columns
+    con = Console() if sys.stdout.isatty() else Console(width=160)
+    con.print(t)
+
+    z = Table(title="speedup / tau per suite (z-lab's layout)")
+    z.add_column("method")
+    suites = [g for g in res["groups"] if g["category"] is None]
+    for g in suites:
+        z.add_column(g["suite"], justify="right")
+    ngram_label = "vLLM n-gram" if engine else f"prompt lookup (k={res['k']})"
+    drafter_label = "DFlash (vLLM)" if engine else "DFlash (ours)"
+    for label, sfx in ((ngram_label, "_ngram"), (drafter_label, "")):
+        z.add_row(label, *(f"{fmt(g['speedup' + sfx], '.2f', '-', 'x')} / {fmt(g['tau' + sfx], '.2f', '-')}"
+                           for g in suites))
+    con.print(z)
+    where = f"vLLM {res['vllm_version']}, {res['dtype']}" if engine else "our decoding (dflash-train eval)"
+    sampling = (f"temperature {res['temperature']:g}" + (f", top-p {res['top_p']:g}" if "top_p" in res else "")
+                if sampled else "greedy")
+    con.print(f"{where}, k {res['k']}, <= {res['num_prompts_per_suite']} items per suite (z-lab's order), "
+              f"<= {res['max_new_tokens']} new tokens, {sampling}, batch 1; MT-Bench: both turns, the second after "
+              "the target's own greedy first answer. tau = tokens per target forward"
+              + (" (engine counters; replay = our drafter on plain vLLM's outputs)" if engine else "")
+              + (". Lossless n/a under sampling: the acceptance rule's test is the check "
+                 "(tests/test_eval_specdec.py)." if sampled else "."))
+
+
+def lossless_cell(g: dict[str, Any], sampled: bool) -> str:
+    if sampled:
+        return "n/a (sampling)"
+    verdicts = [(name, g[key]) for name, key in (("DFlash", "lossless"), ("n-gram", "lossless_ngram"))
+                if g.get(key) is not None]
+    if not verdicts:
+        return "-"
+    bad = [name for name, ok in verdicts if not ok]
+    return "yes" if not bad else "NO (" + ", ".join(bad) + ")"
+
+
+def stderr_log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

