@@ -1,18 +1,20 @@
 """The side-by-side table: dflash-train and the peer trainers on the same work, judged in vLLM.
 
-    .venv/bin/python bench/peers/bench.py --out runs/peers [--budget-tokens N] [--budget-seconds S]
-        [--trainers dflash-train,speculators,specforge,modelopt] [--seeds 0] [--peer-defaults]
+    .venv/bin/python bench/peers/bench.py --out runs/peers [--limit 800] [--seconds 600] [--seed 0]
+        [--trainers dflash-train,speculators,specforge,modelopt] [--parallel 2] [--peer-defaults]
 
-(`make peers-bench` runs it with the recorded budgets.) Steps, each skipped when its output exists:
+(`make peers-bench` runs it with the recorded budget.) Steps, each skipped when its output exists:
 1. data: `make demo`'s data step (`dflash-train regenerate`, the target's own answers through
-   vLLM) into OUT/data, then bench/peers/data.py (the same documents as train.jsonl, the held-out
-   prompts);
-2. per trainer (and seed, and defaults): a calibration run of a few steps gives its supervised
-   predictions per step; the same-tokens budget is then that many steps; the same-seconds budget
-   is the trainer's own wall-clock limit (or steps at its measured speed where it has none);
-3. bench/peers/judge.py: every export served by vLLM at k 3 and k 7 beside plain and n-gram;
-4. OUT/table.md + OUT/table.json: one row per (trainer, budget, defaults, seed).
-Each trainer runs alone (never two at once): the seconds and the speeds are comparable.
+   vLLM) into OUT/data, then bench/peers/data.py: the documents of the first --limit
+   conversations as train.jsonl (every trainer gets the same; dflash-train gets data.limit);
+2. the same wall-clock: every trainer trains --seconds seconds (its LR schedule over the steps
+   it reaches in that time at the speed measured here, STEP_SECONDS), --parallel trainers at a
+   time, each on 1 thread (never more threads than cores);
+3. the same supervised tokens: the fewest (anchor, block position) predictions any trainer made
+   in step 2 is the budget; every other trainer trains again for the steps that give it that many
+   (its features reused), so the slowest trainer's run of step 2 is its run here;
+4. bench/peers/judge.py: every export served by vLLM at k 3 and k 7 beside plain and n-gram;
+5. OUT/table.md + OUT/table.json: one row per (trainer, budget, defaults, seed).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,7 +38,9 @@ TRAINERS = {
     "modelopt": ["bash", str(HERE / "modelopt" / "run.sh")],
 }
 INSTALL = {name: HERE / name / "install.sh" for name in ("speculators", "specforge", "modelopt")}
-CALIBRATION_STEPS = 20
+# seconds per optimizer step with the common settings, 1 thread, measured on these 2 cores
+# (loaded): the LR schedule's horizon for the wall-clock budget (the --seconds cap ends the run)
+STEP_SECONDS = {"dflash-train": 2.5, "speculators": 6.0, "specforge": 4.5, "modelopt": 13.0}
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None) -> int:
@@ -45,58 +50,55 @@ def sh(cmd: list[str], log: Path, env: dict | None = None) -> int:
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
 
 
-def ensure_data(out: Path) -> Path:
-    data = out / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    if not (data / "regenerated.complete").is_file():
+def ensure_data(out: Path, limit: int) -> Path:
+    full = out / "data"
+    full.mkdir(parents=True, exist_ok=True)
+    if not (full / "regenerated.complete").is_file():
         rc = sh([str(REPO / ".venv" / "bin" / "dflash-train"), "regenerate", "-c", str(REPO / "configs" / "cpu-demo.yaml"),
-                 "--out", str(data / "regenerated.jsonl"), "--max-new-tokens", "128", "--engine", "vllm"], data / "regenerate.log")
+                 "--out", str(full / "regenerated.jsonl"), "--max-new-tokens", "128", "--engine", "vllm"], full / "regenerate.log")
         if rc != 0:
-            raise SystemExit(f"data step failed: {data / 'regenerate.log'}")
-        (data / "regenerated.complete").write_text("")
-    if not (data / "train.jsonl").is_file():
-        rc = sh([str(PY), str(HERE / "data.py"), "--regenerated", str(data / "regenerated.jsonl"), "--out", str(data)],
-                data / "data.log")
+            raise SystemExit(f"data step failed: {full / 'regenerate.log'}")
+        (full / "regenerated.complete").write_text("")
+    data = out / f"d{limit}"
+    if not (data / "data.json").is_file():
+        rc = sh([str(PY), str(HERE / "data.py"), "--regenerated", str(full / "regenerated.jsonl"), "--out", str(data),
+                 "--limit", str(limit)], out / f"d{limit}.log")
         if rc != 0:
-            raise SystemExit(f"peer data failed: {data / 'data.log'}")
+            raise SystemExit(f"peer data failed: {out / f'd{limit}.log'}")
     return data
 
 
-def train(name: str, data: Path, run: Path, steps: int | None, seconds: float | None, seed: int,
-          peer_defaults: bool, threads: int) -> dict:
+def train(name: str, data: Path, run: Path, steps: int, seconds: float | None, seed: int, peer_defaults: bool,
+          reuse: list[str] | None = None) -> dict:
+    """One trainer run on 1 thread; its result.json (an "error" row when it failed)."""
     if (run / "result.json").is_file():
         return json.loads((run / "result.json").read_text())
-    cmd = TRAINERS[name] + [str(data), str(run), "--seed", str(seed)]
-    if steps:
-        cmd += ["--steps", str(steps)]
-    if seconds:
-        cmd += ["--seconds", str(seconds)]
-    if peer_defaults:
-        cmd += ["--peer-defaults"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    rc = sh(cmd, run.with_suffix(".log"), env)
+    cmd = TRAINERS[name] + [str(data), str(run), "--seed", str(seed), "--steps", str(steps), "--threads", "1"]
+    cmd += (["--seconds", str(seconds)] if seconds else []) + (["--peer-defaults"] if peer_defaults else []) + (reuse or [])
+    rc = sh(cmd, run.parent / f"{run.name}.log", {**os.environ, "OMP_NUM_THREADS": "1"})
     if (run / "result.json").is_file():
         return json.loads((run / "result.json").read_text())
-    return {"peer": name, "error": f"exit {rc}, no result.json (see {run.with_suffix('.log')})"}
+    return {"peer": name, "error": f"exit {rc}, no result.json (see {run.parent / (run.name + '.log')})"}
 
 
-def per_step(name: str, data: Path, out: Path, peer_defaults: bool, threads: int) -> float | None:
-    tag = "peer" if peer_defaults else "common"
-    r = train(name, data, out / "calibration" / f"{name}-{tag}", CALIBRATION_STEPS, None, 0, peer_defaults, threads)
-    if r.get("error") or not r.get("steps") or not r.get("supervised_tokens"):
-        return None
-    return r["supervised_tokens"] / r["steps"]
+def reuse_features(name: str, first_run: Path) -> list[str]:
+    """Flags that let a second run of a trainer skip its data prep and feature dump."""
+    if name == "speculators":
+        return ["--reuse-data", str(first_run / "data")]
+    if name == "specforge":
+        return ["--features", str(first_run / "features")]
+    return []
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "peers")
     ap.add_argument("--trainers", default=",".join(TRAINERS))
-    ap.add_argument("--budget-tokens", type=float, default=0, help="supervised predictions per trainer (0: skip)")
-    ap.add_argument("--budget-seconds", type=float, default=0, help="training wall-clock per trainer (0: skip)")
-    ap.add_argument("--seeds", default="0")
-    ap.add_argument("--peer-defaults", action="store_true", help="also run every peer with its own defaults")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--limit", type=int, default=800, help="conversations of the demo's data every trainer reads")
+    ap.add_argument("--seconds", type=float, default=600, help="the wall-clock budget per trainer")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parallel", type=int, default=2, help="trainers at a time (1 thread each)")
+    ap.add_argument("--peer-defaults", action="store_true", help="also each peer with its own defaults (same seconds)")
     ap.add_argument("--k", type=int, nargs="+", default=[3, 7])
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -108,33 +110,48 @@ def main() -> int:
     for n in names:
         if n in INSTALL and sh(["bash", str(INSTALL[n])], a.out / "install" / f"{n}.log") != 0:
             print(f"{n}: install failed ({a.out / 'install' / f'{n}.log'})", file=sys.stderr)
-    data = ensure_data(a.out)
-    runs: dict[str, dict] = {}
-    for seed in [int(s) for s in a.seeds.split(",")]:
-        for n in names:
-            for peer_defaults in ([False, True] if a.peer_defaults and n != "dflash-train" else [False]):
-                tag = f"{n}{'-peerdefaults' if peer_defaults else ''}"
-                if a.budget_tokens:
-                    ps = per_step(n, data, a.out, peer_defaults, a.threads)
-                    key = f"{tag}/tokens/seed{seed}"
-                    if ps is None:
-                        runs[key] = {"peer": n, "error": "calibration run failed (see OUT/calibration)"}
-                    else:
-                        steps = max(1, math.ceil(a.budget_tokens / ps))
-                        runs[key] = train(n, data, a.out / "tokens" / f"{tag}-seed{seed}", steps, None, seed, peer_defaults, a.threads)
-                if a.budget_seconds:
-                    key = f"{tag}/seconds/seed{seed}"
-                    runs[key] = train(n, data, a.out / "seconds" / f"{tag}-seed{seed}", 10**7, a.budget_seconds, seed,
-                                      peer_defaults, a.threads)
-    exports = {key: a.out / key.split("/")[1] / (key.split("/")[0] + "-" + key.split("/")[2]) / "export"
-               for key, r in runs.items() if not r.get("error")}
-    exports = {k: p for k, p in exports.items() if p.is_dir()}
-    judged_file = a.out / "judge.json"
+    data = ensure_data(a.out, a.limit)
+    sec_dir, tok_dir = a.out / f"s{a.seconds:g}", a.out / f"s{a.seconds:g}-tokens"
+    jobs = [(n, False) for n in names] + ([(n, True) for n in names if n != "dflash-train"] if a.peer_defaults else [])
+    tag = {job: job[0] + ("-peerdefaults" if job[1] else "") for job in jobs}
+
+    def seconds_run(job):
+        n, pd = job
+        steps = max(1, math.ceil(a.seconds / STEP_SECONDS[n] * 1.2))
+        return f"{tag[job]}/seconds", train(n, data, sec_dir / tag[job], steps, a.seconds, a.seed, pd)
+
+    with ThreadPoolExecutor(max(1, a.parallel)) as pool:
+        runs = dict(pool.map(seconds_run, jobs))
+    common = {k: r for k, r in runs.items() if "-peerdefaults" not in k and not r.get("error") and r.get("supervised_tokens")}
+    if common:
+        budget = min(r["supervised_tokens"] for r in common.values())
+
+        def tokens_run(job):
+            n, _ = job
+            first = runs[f"{n}/seconds"]
+            if first["supervised_tokens"] <= budget * 1.05:  # the slowest: its seconds run is its tokens run
+                return f"{n}/tokens", dict(first, reused=f"{n}/seconds")
+            steps = max(1, round(budget / (first["supervised_tokens"] / first["steps"])))
+            return f"{n}/tokens", train(n, data, tok_dir / n, steps, None, a.seed, False, reuse_features(n, sec_dir / n))
+
+        with ThreadPoolExecutor(max(1, a.parallel)) as pool:
+            runs.update(dict(pool.map(tokens_run, [j for j in jobs if not j[1] and f"{j[0]}/seconds" in common])))
+    exports = {}
+    for key, r in runs.items():
+        name, budget_kind = key.split("/")
+        run_dir = (sec_dir if budget_kind == "seconds" or r.get("reused") else tok_dir) / name
+        if not r.get("error") and (run_dir / "export").is_dir():
+            exports[key] = run_dir / "export"
     sys.path.insert(0, str(HERE))
     from judge import judge  # noqa: E402 - the trainer venv's dflash_train
 
-    judged = judge(data, exports, a.k, a.num_prompts, a.max_new_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
-    judged_file.write_text(json.dumps(judged, indent=1) + "\n")
+    judged_file = a.out / f"judge-s{a.seconds:g}.json"
+    if judged_file.is_file() and set(json.loads(judged_file.read_text()).get("exports", [])) >= set(exports):
+        judged = json.loads(judged_file.read_text())
+    else:
+        judged = judge(data, exports, a.k, a.num_prompts, a.max_new_tokens, log=lambda m: print(m, file=sys.stderr, flush=True))
+        judged["exports"] = sorted(exports)
+        judged_file.write_text(json.dumps(judged, indent=1) + "\n")
     table = build_table(runs, judged)
     (a.out / "table.json").write_text(json.dumps({"runs": runs, "judge": judged}, indent=1) + "\n")
     (a.out / "table.md").write_text(table)

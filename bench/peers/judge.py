@@ -3,8 +3,8 @@ vLLM's n-gram, at each k:
 
     .venv/bin/python bench/peers/judge.py DATA_DIR --export NAME=EXPORT_DIR ... [--k 3 7] --out judge.json
 
-The prompts are `make demo`'s held-out ones (`eval_prompts` of configs/cpu-demo.yaml on
-DATA_DIR/regenerated.jsonl: the first held-out prompts that fit a training row). One engine start
+The prompts are `make demo`'s held-out ones (`eval_prompts` of configs/cpu-demo.yaml on the
+regenerated file DATA_DIR/data.json names: the first held-out prompts that fit a training row). One engine start
 per (method, k), one after the other (dflash-train's vLLM worker: greedy, batch 1, float32,
 one warm-up generation, the engine's own counters). Plain vLLM runs once; every other output is
 compared with its outputs token for token (lossless). An export vLLM cannot load is a row with
@@ -26,7 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def heldout_prompt_ids(data_dir: Path, num_prompts: int, config: Path = REPO / "configs" / "cpu-demo.yaml"):
-    cfg = load_config(config, [f"data.regenerated={(data_dir / 'regenerated.jsonl').resolve()}"])
+    # the held-out prompts of the whole regenerated file (make demo's), whatever data.limit trained
+    regenerated = json.loads((data_dir / "data.json").read_text())["regenerated"]
+    cfg = load_config(config, [f"data.regenerated={regenerated}"])
     tok, family = load_tokenizer(cfg.target)
     shim = TokenizerOnly(tok, family)
     prompts = eval_prompts(cfg, shim, num_prompts)
