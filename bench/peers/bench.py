@@ -141,8 +141,8 @@ def main() -> int:
     exports = {}
     for key, r in runs.items():
         name, budget_kind = key.split("/")
-        run_dir = (sec_dir if budget_kind == "seconds" or r.get("reused") else tok_dir) / name
-        if not r.get("error") and (run_dir / "export").is_dir():
+        run_dir = (sec_dir if budget_kind == "seconds" else tok_dir) / name
+        if not r.get("error") and not r.get("reused") and (run_dir / "export").is_dir():
             exports[key] = run_dir / "export"
     sys.path.insert(0, str(HERE))
     from judge import judge  # noqa: E402 - the trainer venv's dflash_train
@@ -174,10 +174,10 @@ def build_table(runs: dict[str, dict], judged: dict) -> str:
         cells += [_f(by.get((label, 0 if label == "plain vLLM" else k), {}).get("speedup"), 2) for k in ks]
         lines.append("| " + " | ".join(cells + [""] * (len(head) - len(cells))) + " |")
     for key, r in runs.items():
-        js = [by.get((key, k), {}) for k in ks]
+        js = [by.get((r.get("reused", key), k), {}) for k in ks]  # a reused run was judged under its first key
         err = r.get("error") or next((j.get("error") for j in js if j.get("error")), None)
         sup_s = (r["supervised_tokens"] / r["train_seconds"]) if r.get("supervised_tokens") and r.get("train_seconds") else None
-        cells = [key] + [_f(j.get("tau")) for j in js] + [_f(j.get("speedup"), 2) for j in js] + [
+        cells = [key + (f" (= {r['reused']})" if r.get("reused") else "")] + [_f(j.get("tau")) for j in js] + [_f(j.get("speedup"), 2) for j in js] + [
             "yes" if js and all(j.get("lossless") for j in js) else ("NO" if any(j.get("lossless") is False for j in js) else ""),
             _f(sup_s, 0), _f(r.get("train_seconds"), 0), _f(r.get("supervised_tokens"), 0), _f(r.get("peak_rss_mb"), 0),
             _f(r.get("data_prep_seconds"), 0), _f(r.get("feature_dump_seconds"), 0), (err or "").replace("|", "/")[:200]]

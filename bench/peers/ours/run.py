@@ -32,6 +32,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-defaults", action="store_true", help="accepted for the common interface; ours are ours")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dflash-train override on top (to A/B one of our defaults against a peer's)")
     a = ap.parse_args()
     out = a.out_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -40,7 +42,7 @@ def main() -> int:
     overrides = [f"data.regenerated={data['regenerated']}", f"data.limit={data['limit']}", "model.target_layer_ids=[15]",
                  "model.mask_token_id=16", f"train.max_steps={a.steps}", f"train.seed={a.seed}",
                  f"train.max_seconds={a.seconds if a.seconds > 0 else 1e9}", "checkpoint.every_steps=100000",
-                 "checkpoint.keep_last=1", "logging.every_steps=10"]
+                 "checkpoint.keep_last=1", "logging.every_steps=10", *a.set]
     cmd = [str(BIN / "dflash-train"), "train", "--config", str(REPO / "configs" / "cpu-demo.yaml"),
            "--run-dir", str(run_dir), "--resume", "never", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}

@@ -157,12 +157,9 @@ def main() -> int:
         feat = out / "features"
         cmd = [str(MAIN_PY), str(HERE / "dump_features.py"), "--train", str(train), "--target", str(target),
                "--out", str(feat)]
-        t1 = time.perf_counter()
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        result["feature_dump_seconds"] = time.perf_counter() - t1
-        (out / "dump.log").write_text(p.stdout + p.stderr)
-        if p.returncode != 0:
-            return finish(f"feature dump: {(p.stderr.strip().splitlines() or ['rc %d' % p.returncode])[-1]}")
+        result["feature_dump_seconds"], err = run_logged(cmd, env, out / "dump.log")
+        if err:
+            return finish(f"feature dump: {err}")
         dump = json.loads((feat / "dump.json").read_text())
     result["feature_dump"] = dump
 
@@ -250,13 +247,19 @@ def main() -> int:
     exp_cmd = [str(SF_CLI), "export", "--to", "hf", "--checkpoint", str(ckpt), "--draft-config",
                str(out / "draft_config.json"), "--output-dir", str(out / "export")]
     result["export_command"] = " ".join(map(shlex.quote, exp_cmd))
-    t3 = time.perf_counter()
-    p = subprocess.run(exp_cmd, env=env, capture_output=True, text=True)
-    result["export_seconds"] = time.perf_counter() - t3
-    (out / "export.log").write_text(p.stdout + p.stderr)
+    result["export_seconds"], err = run_logged(exp_cmd, env, out / "export.log")
+    return finish(f"export: {err}" if err else None)
+
+
+def run_logged(cmd: list[str], env: dict, log: Path) -> tuple[float, str | None]:
+    """Run `cmd`, its output to `log`: (seconds, None) or (seconds, the last line of its stderr)."""
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    log.write_text(p.stdout + p.stderr)
     if p.returncode != 0:
-        return finish(f"export: {(p.stderr.strip().splitlines() or ['rc %d' % p.returncode])[-1]}")
-    return finish(None)
+        return seconds, (p.stderr.strip().splitlines() or [f"rc {p.returncode}"])[-1]
+    return seconds, None
 
 
 if __name__ == "__main__":
