@@ -88,3 +88,16 @@ def test_stage_stats_and_thread_names():
     snap = stats.snapshot_and_reset()
     assert snap["target_busy"] > 0 and 0 <= snap["queue_occupancy"] <= 1
     assert "postprocess_busy" in snap and "trainer_wait" in snap
+
+
+def test_a_stage_idle_for_a_whole_interval_is_reported_as_zero():
+    # the target blocked on a full queue for an interval: its keys stay in the record (0.0),
+    # so every metrics.jsonl line carries the same per-stage fields
+    stats = StageStats()
+    stats.add("target", busy=0.5)
+    stats.add("trainer", busy=0.2, wait=0.1)
+    first = stats.snapshot_and_reset()
+    assert first["target_busy"] > 0 and first["trainer_wait"] > 0
+    stats.add("trainer", busy=0.3)
+    second = stats.snapshot_and_reset()
+    assert second["target_busy"] == 0.0 and second["target_wait"] == 0.0 and second["trainer_busy"] > 0

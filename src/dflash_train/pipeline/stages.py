@@ -43,6 +43,9 @@ class StageStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # every stage seen so far: an interval in which a stage did nothing (the target blocked on a
+        # full queue) reports it as 0.0, so each record carries the same keys
+        self._stages: set[str] = set()
         self.reset()
 
     def reset(self) -> None:
@@ -55,6 +58,7 @@ class StageStats:
 
     def add(self, stage: str, busy: float = 0.0, wait: float = 0.0) -> None:
         with self._lock:
+            self._stages.add(stage)
             self.busy[stage] = self.busy.get(stage, 0.0) + busy
             self.wait[stage] = self.wait.get(stage, 0.0) + wait
 
@@ -68,7 +72,7 @@ class StageStats:
         with self._lock:
             wall = max(time.perf_counter() - self.started, 1e-9)
             out: dict[str, float] = {}
-            for stage in sorted(set(self.busy) | set(self.wait)):
+            for stage in sorted(self._stages | set(self.busy) | set(self.wait)):
                 out[f"{stage}_busy"] = self.busy.get(stage, 0.0) / wall
                 out[f"{stage}_wait"] = self.wait.get(stage, 0.0) / wall
             out["queue_occupancy"] = self.occupancy_sum / self.occupancy_n if self.occupancy_n else 0.0
