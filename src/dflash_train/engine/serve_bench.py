@@ -319,7 +319,7 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, 
                         top_p: float = 1.0) -> dict[str, Any]:
     """`dflash-train serve-bench`: the export (or a run's / checkpoint's drafter, exported to a
     temporary dir first) served by vLLM on held-out prompts, a prompts file, or benchmark suites
-    (`--suite`: one row per suite, eval/suite_bench.py)."""
+    (`--suite`: one row per suite, engine/suite_serving.py)."""
     suites = suite_names(suite, prompts)  # a bad name: one line before anything loads
     check_sampling(temperature, top_p)
     bad = [m for m in methods if m not in LABELS]
@@ -344,7 +344,8 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, 
         if src.kind != "export":
             export_dir = export_checkpoint(src.path, Path(tmp) / "export")
         if suites:
-            from dflash_train.eval.suite_bench import print_suite_tables, serve_suites
+            from dflash_train.engine.suite_serving import serve_suites
+            from dflash_train.eval.suite_bench import print_suite_tables
 
             res = serve_suites(export_dir, target_path, shim, suites, num_prompts, max_new_tokens, methods, k=k,
                                dtype=dtype, temperature=temperature, top_p=top_p, log=log)

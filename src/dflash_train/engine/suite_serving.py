@@ -1,0 +1,96 @@
+"""`serve-bench --suite` in vLLM: each method served once over all the chosen suites' prompts (one
+engine start each, plus one plain engine for MT-Bench's first answers); a row's tau, tokens per draft
+and tok/s come from the per-prompt engine counters and times of its prompts; tau is also our replay
+of the same drafter on plain vLLM's outputs (greedy only: sampled outputs are not replayable).
+The suites, the grouping and the printed tables are eval/'s (`eval/suites.py`, `eval/suite_bench.py`)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from dflash_train.eval.suite_bench import Log, group_head, suite_items
+from dflash_train.eval.suites import SuitePrompt, all_turns, describe, groups_of
+
+
+def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence[str], num_prompts: int,
+                 max_new_tokens: int, methods: Sequence[str], k: int | None = None, dtype: str | None = None,
+                 temperature: float = 0.0, top_p: float = 1.0, log: Log | None = None) -> dict[str, Any]:
+    """The export served by vLLM over the suites; `tokenizer_target`: anything with .tokenizer and
+    .family (the chat format). Rows per group (module docstring)."""
+    from dflash_train.data.template import ChatFormat
+    from dflash_train.engine.serve_bench import (DEFAULT_DTYPE, generate_in_vllm, methods_over, serve_methods,
+                                                 served_target_dir, summarise)
+
+    fmt = ChatFormat(tokenizer_target.tokenizer, tokenizer_target.family)
+    stops = fmt.stop_token_ids()
+    target_dir = served_target_dir(target_path)
+    dtype = dtype or DEFAULT_DTYPE
+    answered: list[list[int]] = []  # the token ids of those answers, in prompt order (--json shows them)
+
+    def first_answers(prompts: list[SuitePrompt]) -> list[str]:
+        # greedy, batch 1, the dtype measured: the answers plain vLLM gives these prompts in the bench
+        if log:
+            log(f"vLLM: the target's own greedy answers to {len(prompts)} first turns (the second turns follow them)")
+        ids = [fmt.prompt_ids(list(p.messages)) for p in prompts]
+        answers, _ = generate_in_vllm(target_dir, ids, stops, max_new_tokens, dtype, max_num_seqs=1)
+        answered.extend(a for a, _ in answers)
+        return [fmt.tokenizer.decode(a, skip_special_tokens=True) for a, _ in answers]
+
+    prompts = all_turns(suite_items(names, num_prompts), first_answers)
+    ids = [fmt.prompt_ids(list(p.messages)) for p in prompts]
+    raw, job = serve_methods(export_dir, target_dir, ids, stops, max_new_tokens, methods, k, dtype, log,
+                             temperature=temperature, top_p=top_p)
+    k = job["methods"][0]["k"]
+    greedy = temperature <= 0
+    outputs = {m["name"]: m["outputs"] for m in raw["methods"]}
+    replayed = None
+    if greedy and "dflash" in outputs and "plain" in outputs:
+        replayed = replay_per_prompt(export_dir, target_path, ids, outputs["plain"], k, log)
+    groups = []
+    for g in groups_of(prompts):
+        rows = summarise(methods_over(raw["methods"], g.indices), len(g.indices), compare_outputs=greedy)
+        groups.append({**group_head(g), **engine_figures(rows),
+                       "tau_replay": pooled_tau([replayed[i] for i in g.indices]) if replayed else None,
+                       "rows": rows})
+    return {"measured_by": "vllm", "vllm_version": raw.get("vllm_version"), "suites": list(names), "k": k,
+            "dtype": dtype, "temperature": float(temperature), "top_p": float(top_p),
+            "max_new_tokens": int(max_new_tokens), "num_prompts_per_suite": int(num_prompts), "groups": groups,
+            "prompts": describe(prompts), "answers_followed": answered, "outputs": outputs}
+
+
+def replay_per_prompt(export_dir, target_path: str, prompt_ids, outputs, k: int, log: Log | None) -> list[list[int]]:
+    """Our acceptance lengths of the export's drafter on plain vLLM's outputs, prompt by prompt
+    (masks only, the first k drafts of each block: as the engine drafts it)."""
+    from dflash_train.config import TargetConfig
+    from dflash_train.eval.replay import replay_acceptance
+    from dflash_train.export import resolve_drafter_source
+    from dflash_train.model.dflash2 import build_drafter
+    from dflash_train.targets import load_target
+
+    if log:
+        log(f"replay: the drafter on plain vLLM's {len(outputs)} outputs (our tau of the same drafter)")
+    target = load_target(TargetConfig(path=target_path))
+    src = resolve_drafter_source(export_dir)
+    drafter = build_drafter(src.config)
+    drafter.load_state_dict(src.state_dict)
+    drafter.to(target.device).eval()
+    return [replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=k)
+            for p, out in zip(prompt_ids, outputs)]
+
+
+def pooled_tau(acceptance: Sequence[Sequence[int]]) -> float | None:
+    steps = [a for per in acceptance for a in per]
+    return sum(steps) / len(steps) if steps else None
+
+
+def engine_figures(rows: Sequence[dict]) -> dict[str, Any]:
+    """A group's flat figures from its engine rows: DFlash's, n-gram's beside them, plain's tok/s."""
+    by = {r["method"]: r for r in rows}
+    d, ng, plain = by.get("dflash", {}), by.get("ngram", {}), by.get("plain", {})
+    return {"tau": d.get("tau"), "tokens_per_draft": d.get("tokens_per_draft"), "tokens_per_s": d.get("tokens_per_s"),
+            "speedup": d.get("speedup"), "lossless": d.get("lossless"),
+            "tau_ngram": ng.get("tau"), "tokens_per_draft_ngram": ng.get("tokens_per_draft"),
+            "tokens_per_s_ngram": ng.get("tokens_per_s"), "speedup_ngram": ng.get("speedup"),
+            "lossless_ngram": ng.get("lossless"), "tokens_per_s_plain": plain.get("tokens_per_s")}
+
+
+# ----------------------------------------------------------------- our decoding
