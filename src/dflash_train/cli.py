@@ -190,12 +190,19 @@ def precompute(
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 | float16 | float32"),
     rows_per_shard: int = typer.Option(256, "--rows-per-shard"),
 ):
-    """Capture target hidden states to disk for offline training."""
+    """Capture target hidden states to disk for offline training (under torchrun: every rank
+    captures its share of the shards; the same command resumes an interrupted one)."""
 
     def go():
-        from dflash_train.pipeline.precompute import precompute_command
+        from dflash_train.pipeline.precompute import capture_roles, precompute_command
+        from dflash_train.train.distributed import DistContext
 
-        precompute_command(_load_config(config, overrides), out, dtype, rows_per_shard)
+        cfg = _load_config(config, overrides)
+        ctx = DistContext.from_env(capture_roles(cfg))  # the process group under torchrun, as train's
+        try:
+            precompute_command(cfg, out, dtype, rows_per_shard, ctx)
+        finally:
+            ctx.shutdown()
 
     _guard(go)
 
