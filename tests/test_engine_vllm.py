@@ -230,3 +230,47 @@ def test_compare_scores_variants_in_the_engine_at_one_k(tiny_llama, tmp_path):
     assert row["k_engine"] == 2 and row["lossless_engine"] is True
     assert 1.0 <= row["tau_engine"] <= 3.0 and 1.0 <= row["tau_engine_ngram"] <= 3.0
     assert abs(row["tau_engine"] - row["tau_heldout"]) <= 0.05 * row["tau_heldout"], row
+
+
+def test_draft_vocabulary_export_served_lossless(tiny_llama, tmp_path):
+    """A drafter trained with train.vocab_subset exports draft_vocab_size, its lm_head rows and d2t;
+    vLLM serves it losslessly and accepts what our replay (restricted to the same ids) accepts; the
+    same export with its d2t map shuffled accepts less (the engine reads the map)."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_train.config import TargetConfig
+    from dflash_train.targets import load_target
+
+    # the target's own greedy answers: a drafter learns them in a few steps (a random target's
+    # answers to the conversations' text are not learnable, and tau would stay 1.0 either way)
+    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    regen = tmp_path / "regen.jsonl"
+    r = cli("regenerate", f"target.path={tiny_llama}", f"data.source=jsonl:{data}", "data.limit=40",
+            "data.max_tokens=128", "--out", str(regen), "--max-new-tokens", "48")
+    assert r.returncode == 0, r.stderr[-3000:]
+    export = train_and_export(tmp_path, str(tiny_llama), data, 600, "train.vocab_subset=48",
+                              f"data.regenerated={regen}")
+    c = json.loads((export / "config.json").read_text())
+    n = c["draft_vocab_size"]
+    assert 2 <= n <= 48 < c["vocab_size"]
+    w = load_file(str(export / "model.safetensors"))
+    ids = w["d2t"] + torch.arange(n)
+    assert w["d2t"].dtype == torch.int64 and bool((ids[1:] > ids[:-1]).all())
+    head = load_target(TargetConfig(path=str(tiny_llama), device="cpu", dtype="float32")).lm_head_weight
+    assert torch.equal(w["lm_head.weight"], head[ids])
+    # prompts it trained on: the drafter has (partly) memorised the target's answers to them
+    texts = sorted({json.loads(line)["conversations"][0]["value"] for line in regen.read_text().splitlines()})[:4]
+    prompts = prompts_file(tmp_path / "p.jsonl", texts)
+    r = serve_bench(export, str(tiny_llama), prompts, 4, 24, "plain", "dflash", k=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = {row["method"]: row for row in json.loads(r.stdout)["rows"]}["dflash"]
+    assert d["lossless"] is True and d["drafts"] > 0 and d["draft_tokens"] == 3 * d["drafts"]
+    ours = replay_tau(export, str(tiny_llama), texts, res_outputs(r), k=3)
+    assert abs(d["tau"] - ours) <= 0.05 * ours, (d["tau"], ours)
+    assert ours > 1.3, ours  # the drafter learned something: the shuffle below can show
+    w["d2t"] = ids[torch.randperm(n, generator=torch.Generator().manual_seed(0))] - torch.arange(n)
+    save_file(w, str(export / "model.safetensors"), metadata={"format": "pt"})
+    r = serve_bench(export, str(tiny_llama), prompts, 4, 24, "plain", "dflash", k=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shuffled = {row["method"]: row for row in json.loads(r.stdout)["rows"]}["dflash"]
+    assert shuffled["lossless"] is True and shuffled["tau"] < d["tau"] - 0.2, (shuffled["tau"], d["tau"])

@@ -12,7 +12,10 @@ see /work/shared/dflash-method.md "Export":
   (target path, step, code version); serving engines ignore it.
 * model.safetensors: the drafter's state dict under its export names
   (``layers.{i}....``, ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``):
-  no ``model.`` prefix, no embed_tokens, no lm_head.
+  no ``model.`` prefix, no embed_tokens, no lm_head. A drafter with a draft vocabulary
+  (trained with ``train.vocab_subset``) adds what vLLM's DFlash loader reads for one:
+  ``lm_head.weight`` (the target's rows of those ids, in that order) and ``d2t`` (int64
+  offsets: target id = draft id + d2t[draft id]), with ``draft_vocab_size`` in config.json.
 
 Here: the files both ways (``write_export`` into a directory ``check_out_dir``
 allows, ``load_export``; config.json's keys are mapped in ONE place, `model/hf_config.py`), and `export_checkpoint`, which joins the pieces: the
@@ -39,7 +42,7 @@ from dflash_train.model.dflash2 import export_shapes, from_export_names, to_expo
 from dflash_train.model.hf_config import drafter_config_from_hf, hf_config_dict
 from dflash_train.report import model_card, run_summary
 from dflash_train.rundir import MANIFEST_FILE, holds_checkpoints, is_checkpoint_dir, is_run_dir
-from dflash_train.serving_check import check_config, check_export, target_facts
+from dflash_train.serving_check import D2T, check_config, check_export, draft_vocab_shapes, target_facts
 from dflash_train.storage import writing
 from dflash_train.utils import save_safetensors
 
@@ -88,6 +91,8 @@ def load_export_source(path: Path) -> DrafterSource:
     except Exception as e:  # noqa: BLE001 - name the file
         raise _err(f"{wf}: cannot load: {e}") from None
     prov = d.get("dflash_train") or {}
+    if cfg.draft_vocab_size and D2T in sd:
+        sd["draft_vocab"] = sd.pop(D2T) + torch.arange(cfg.draft_vocab_size)
     return DrafterSource(
         kind="export", path=path, config=cfg, state_dict=from_export_names(clean_state_dict(sd)), step=prov.get("step"),
         target_path=prov.get("target_path"), meta=prov,
@@ -214,7 +219,7 @@ def check_out_dir(out: Path, force: bool) -> Path:
 
 def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, force: bool = False,
                  provenance: dict[str, Any] | None = None, readme: str | None = None,
-                 target: dict[str, Any] | None = None) -> Path:
+                 target: dict[str, Any] | None = None, lm_head_weight: torch.Tensor | None = None) -> Path:
     """Write config.json + model.safetensors (+ README.md) for a DrafterConfig and its weights.
 
     `out_dir` is checked by `check_out_dir` (a previous export is replaced only
@@ -222,12 +227,16 @@ def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, 
     Weights are stored in ``cfg.serving_dtype``. The written files pass
     `serving_check.check_export` (against `target`, see `serving_check.target_facts`)
     before they replace anything; a problem raises the one-line UserError.
+    `lm_head_weight`: the target's [V, H] lm_head, needed for a drafter with a draft vocabulary.
     """
     given = Path(out_dir)
     out = check_out_dir(given, force)
     sd = to_export_names(clean_state_dict(state_dict))
+    draft_vocab = sd.pop("draft_vocab", None)
     dtype = getattr(torch, cfg.serving_dtype)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in sd.items()}
+    if cfg.draft_vocab_size:
+        tensors.update(_draft_vocab_tensors(cfg, draft_vocab, lm_head_weight, dtype))
     _validate_tensors(cfg, tensors)
     # a refused write (full disk, read-only directory) is one line naming the file; the export is
     # written beside --out and renamed into place, so nothing at --out has changed then
@@ -266,6 +275,22 @@ def write_export(cfg, state_dict: dict[str, torch.Tensor], out_dir: str | Path, 
     return given
 
 
+def _draft_vocab_tensors(cfg, draft_vocab: torch.Tensor | None, lm_head_weight: torch.Tensor | None,
+                         dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The draft vocabulary as vLLM loads it: its lm_head rows and the d2t offsets."""
+    if draft_vocab is None or lm_head_weight is None:
+        raise _err(f"a drafter with a draft vocabulary of {cfg.draft_vocab_size} ids exports its ids and the target's "
+                   "lm_head rows: " + ("its draft_vocab tensor is missing" if draft_vocab is None
+                                       else "the target's lm_head could not be read"))
+    ids = draft_vocab.detach().to("cpu", torch.long)
+    if ids.numel() != cfg.draft_vocab_size or not bool((ids[1:] > ids[:-1]).all()) \
+            or int(ids[0]) < 0 or int(ids[-1]) >= lm_head_weight.shape[0]:
+        raise _err(f"draft_vocab holds {ids.numel()} ids; expected {cfg.draft_vocab_size} distinct sorted target ids "
+                   f"below {lm_head_weight.shape[0]}")
+    return {"lm_head.weight": lm_head_weight.detach().to("cpu")[ids].to(dtype).contiguous(),
+            D2T: (ids - torch.arange(ids.numel())).contiguous()}
+
+
 def expected_tensor_names(cfg) -> list[str]:
     names = []
     for i in range(cfg.num_layers):
@@ -274,7 +299,8 @@ def expected_tensor_names(cfg) -> list[str]:
         names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    return names + ["fc.weight", "hidden_norm.weight", "norm.weight"] + list(export_shapes(hf_config_dict(cfg)))
+    c = hf_config_dict(cfg)
+    return names + ["fc.weight", "hidden_norm.weight", "norm.weight"] + list(export_shapes(c)) + list(draft_vocab_shapes(c))
 
 
 def _validate_tensors(cfg, tensors: dict[str, torch.Tensor]) -> None:
@@ -307,7 +333,25 @@ def export_checkpoint(ckpt_or_run_dir: str | Path, out_dir: str | Path, force: b
     facts = target_facts(src.target_path)
     cfg = follow_target(src.config, facts)
     readme = model_card(cfg, summary, src.target_path, name)
-    return write_export(cfg, src.state_dict, out, force=force, provenance=prov, readme=readme, target=facts)
+    head = _target_lm_head(src.target_path) if cfg.draft_vocab_size else None
+    return write_export(cfg, src.state_dict, out, force=force, provenance=prov, readme=readme, target=facts,
+                        lm_head_weight=head)
+
+
+def _target_lm_head(target_path: str | None) -> torch.Tensor | None:
+    """The target's lm_head (its embedding and head only are read: targets/head_only.py), for the rows
+    of a draft vocabulary; None when the run names no target."""
+    if not target_path:
+        return None
+    from dflash_train.config import TargetConfig
+    from dflash_train.targets.head_only import load_head_only_target
+
+    try:
+        return load_head_only_target(TargetConfig(path=target_path, device="cpu", dtype="float32"), "cpu").lm_head_weight
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - name the target
+        raise _err(f"target {target_path}: cannot read its lm_head for the draft vocabulary: {e}") from None
 
 
 def follow_target(cfg, facts: dict[str, Any] | None):

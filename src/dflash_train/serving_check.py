@@ -88,7 +88,21 @@ def expected_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     out.update({"fc.weight": (H, K * H), "hidden_norm.weight": (H,), "norm.weight": (H,)})
 
     out.update(export_shapes(c))  # DFlash 2: convolutions and candidate selector
+    out.update(draft_vocab_shapes(c))
     return out
+
+
+# the integer tensor of a draft-vocabulary export (every other tensor is in the config's dtype)
+D2T = "d2t"
+
+
+def draft_vocab_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """A draft vocabulary's tensors (vLLM's DFlash loader: draft_vocab_size rows of lm_head, and
+    d2t, the offsets draft id -> target id); none when draft_vocab_size is absent or the vocabulary."""
+    n = c.get("draft_vocab_size")
+    if not _is_int(n) or n == c.get("vocab_size"):
+        return {}
+    return {"lm_head.weight": (n, int(c["hidden_size"])), D2T: (n,)}
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
@@ -161,6 +175,9 @@ def check_config(c: dict[str, Any], target: dict[str, Any] | None) -> tuple[list
         P.append(f"dflash_config.target_layer_ids is {ids!r}, not a non-empty list of integers")
     elif _is_int(ntl) and any(not 0 <= i < ntl for i in ids):
         P.append(f"dflash_config.target_layer_ids {ids} outside 0..{ntl - 1}")
+    dv = c.get("draft_vocab_size")
+    if dv is not None and (not _is_int(dv) or not 0 < dv <= c["vocab_size"]):
+        P.append(f"draft_vocab_size is {dv!r}, not an integer in 1..vocab_size ({c['vocab_size']})")
     mid = dfc.get("mask_token_id")
     if not _is_int(mid) or not 0 <= mid < c["vocab_size"]:
         P.append(f"dflash_config.mask_token_id is {mid!r}, not an id inside the vocabulary ({c['vocab_size']})")
@@ -218,7 +235,7 @@ def check_export(path: str | Path, target: dict[str, Any] | None = None) -> tupl
         shape = tuple(header[name].get("shape", ()))
         if shape != want[name]:
             P.append(f"model.safetensors: {name} has shape {list(shape)}, the config implies {list(want[name])}")
-        if header[name].get("dtype") != dtype:
+        if header[name].get("dtype") != ("I64" if name == D2T else dtype):
             P.append(f"model.safetensors: {name} is stored as {header[name].get('dtype')}, config.json says {dtype}")
     return P, W
 

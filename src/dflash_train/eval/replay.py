@@ -43,7 +43,9 @@ def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int, seeded:
     feats = target.capture(seq, doc, drafter.cfg.target_layer_ids)
     ok = torch.zeros(1, T, dtype=torch.bool, device=device)
     ok[0, int(n_prompt):T - 1] = True
-    return draft_everywhere(drafter, target, seq, doc, feats, ok, seeded=seeded)[0, int(n_prompt):T - 1]
+    # a drafter with a draft vocabulary drafts over it, as the engines serve it
+    return draft_everywhere(drafter, target, seq, doc, feats, ok, getattr(drafter, "draft_vocab", None),
+                            seeded=seeded)[0, int(n_prompt):T - 1]
 
 
 def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int, seeded: bool | None = None,

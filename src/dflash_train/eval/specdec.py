@@ -115,7 +115,7 @@ class DrafterProposer:
                                 self.anchor.fill_(start))[:, 0]
         embeds = self.target.embed(block)
         hidden = self.drafter.draft_block(self.cache, embeds, start)[:, 1:vs]
-        draft_logits = self.target.inference_logits(hidden.to(embeds.dtype))
+        draft_logits = self.drafter.restrict_logits(self.target.inference_logits(hidden.to(embeds.dtype)))
         q = None
         if self.selector is not None:  # DFlash 2: the selector's path through the unary top-k
             path, candidates, q_top = self.selector.select(hidden, draft_logits, block[:, 0], temperature, generator)

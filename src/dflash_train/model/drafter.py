@@ -8,7 +8,9 @@ KV cache (`new_cache` / `extend_context` / `draft_block`).
 
 The drafter owns no embedding and no lm_head (the target's are used); its
 state_dict names are the export names (`layers.0.self_attn.q_proj.weight`,
-`fc.weight`, `hidden_norm.weight`, `norm.weight`, ...).
+`fc.weight`, `hidden_norm.weight`, `norm.weight`, ...). A drafter with a draft
+vocabulary (``cfg.draft_vocab_size``) also holds ``draft_vocab``: the target ids it
+drafts over, sorted (a buffer, so checkpoints carry it; `restrict_logits` applies it).
 """
 from __future__ import annotations
 
@@ -204,6 +206,9 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
         self.build_extra_modules(cfg)
+        if cfg.draft_vocab_size:
+            # filled by training (train.vocab_subset) or by loading a checkpoint / export
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size, dtype=torch.long))
         if generator is None:
             generator = torch.Generator().manual_seed(0 if seed is None else int(seed))
         self.init_weights(generator)
@@ -225,6 +230,15 @@ class DFlashDrafter(nn.Module):
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
+
+    def restrict_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary draft logits -> -inf outside the draft vocabulary (in place; a no-op
+        without one): the argmax and softmax the engines take over draft_vocab_size rows."""
+        if self.cfg.draft_vocab_size:
+            outside = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            outside[self.draft_vocab.to(logits.device)] = False
+            logits.masked_fill_(outside, float("-inf"))
+        return logits
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """[B, T, K*H] concatenated target layer outputs -> [B, T, H] shared by all layers."""

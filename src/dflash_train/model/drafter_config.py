@@ -71,6 +71,10 @@ class DrafterConfig:
     # what fills the block's masked slots before the drafter denoises them: "none" (masks only,
     # the method) or "prompt_lookup" (the n-gram proposal where there is one, model/lookup.py)
     block_seeds: str = "none"
+    # train.vocab_subset's size for a "dflash" drafter: it drafts over those target ids only (the
+    # drafter's `draft_vocab` buffer; exported as draft_vocab_size + d2t + its lm_head rows,
+    # which vLLM reads); 0 = the target's whole vocabulary
+    draft_vocab_size: int = 0
 
     def __post_init__(self) -> None:
         self._check_architecture()
@@ -98,6 +102,10 @@ class DrafterConfig:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even (RoPE)")
+        if self.draft_vocab_size < 0 or (self.vocab_size and self.draft_vocab_size > self.vocab_size):
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} outside 0..{self.vocab_size}")
+        if self.draft_vocab_size and self.architecture != "dflash":
+            raise ValueError("draft_vocab_size applies to architecture dflash only")
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} outside 0..{self.num_target_layers - 1}")

@@ -78,6 +78,9 @@ def hf_config_dict(cfg: DrafterConfig, extra: dict[str, Any] | None = None) -> d
         out["rope_scaling"] = rope  # what SGLang's get_rope_config and transformers 4.x read
     if float(cfg.output_multiplier) != 1.0:
         out["logit_scale"] = float(cfg.output_multiplier)  # vLLM's DFlash LogitsProcessor scale
+    if cfg.draft_vocab_size:
+        # vLLM's DFlash loader: an lm_head of this many rows and the d2t offsets in the weights
+        out["draft_vocab_size"] = int(cfg.draft_vocab_size)
     if cfg.architecture == "dflash2":  # what the reference DFlash2DraftModel reads
         out["architectures"] = [DFLASH2_ARCH]
         for k in DFLASH2_KEYS:
@@ -135,4 +138,7 @@ def drafter_config_from_hf(d: dict[str, Any]) -> DrafterConfig:
         final_logit_softcapping=None if softcap is None else float(softcap),
         init_std=float(d.get("initializer_range", 0.02)),
         block_seeds=str(pick("block_seeds", "none")),
+        # a draft_vocab_size equal to the vocabulary (EAGLE-style configs write it so) is no draft vocabulary
+        draft_vocab_size=(int(d["draft_vocab_size"]) if d.get("draft_vocab_size")
+                          and int(d["draft_vocab_size"]) != int(d.get("vocab_size", 0)) else 0),
     )

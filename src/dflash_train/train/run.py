@@ -13,6 +13,8 @@ in-training eval callback), train/faults.py (what a refused write does to the ru
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import random
@@ -167,16 +169,22 @@ class Trainer:
             self._log_target(self.target, 0.0)
         self._cap_anchors(int(self.data.input_ids.shape[1]))
         self.evals.pick_prompts(self.target)
+        self.vocab_subset = vocab_subset_from_rows(self.data.input_ids, self.data.loss_mask, cfg.train.vocab_subset)
         self.drafter_cfg = DrafterConfig.from_target(cfg.model, self.target)
+        if self.vocab_subset is not None and self.drafter_cfg.architecture == "dflash":
+            # the drafter drafts over the loss's vocabulary: checkpoints carry it, export serves it
+            self.drafter_cfg = dataclasses.replace(self.drafter_cfg, draft_vocab_size=int(self.vocab_subset.numel()))
         torch.manual_seed(cfg.train.seed)
-        self.drafter = build_drafter(self.drafter_cfg, seed=cfg.train.seed).to(self.device)
+        self.drafter = build_drafter(self.drafter_cfg, seed=cfg.train.seed)
+        if self.drafter_cfg.draft_vocab_size:
+            self.drafter.draft_vocab.copy_(self.vocab_subset)
+        self.drafter = self.drafter.to(self.device)
         self._init_from_target()
         n_params = sum(p.numel() for p in self.drafter.parameters())
         log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d, mask token %d",
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
                  self.drafter_cfg.block_size, self.drafter_cfg.mask_token_id)
         check_mask_unused(self.drafter_cfg.mask_token_id, self.data.input_ids)
-        self.vocab_subset = vocab_subset_from_rows(self.data.input_ids, self.data.loss_mask, cfg.train.vocab_subset)
         if self.vocab_subset is not None:
             self.vocab_subset = self.vocab_subset.to(self.device)
         # wrap before the optimizer exists: FSDP2 replaces the parameters with sharded ones

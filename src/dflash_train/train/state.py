@@ -84,7 +84,12 @@ def restore_payload(path: Path, tensors: dict, objects: dict, drafter: torch.nn.
                     ctx, generators: dict[str, torch.Generator], log) -> TrainState:
     """Put a loaded checkpoint back (drafter, optimizer, scheduler, this rank's RNG streams) and
     return its TrainState. UserError when the checkpoint does not fit this drafter or sharding."""
-    names = {k for k, _ in drafter.named_parameters()}
+    own = drafter.state_dict()
+    names = set(own)
+    if "draft_vocab" in names and "draft_vocab" not in tensors:
+        # written before checkpoints carried the draft vocabulary: the one computed from the same
+        # rows now (train.vocab_subset is a deterministic function of them) is the one it trained on
+        tensors = {**tensors, "draft_vocab": own["draft_vocab"]}
     if set(tensors) != names:
         missing, unexpected = sorted(names - set(tensors)), sorted(set(tensors) - names)
         raise UserError(f"checkpoint {path} does not fit this drafter: missing {missing}, unexpected {unexpected}")
