@@ -97,6 +97,58 @@ def test_old_checkpoint_export_follows_target(tmp_path, bf16_target):
     assert (c["dtype"], c["max_position_embeddings"]) == ("bfloat16", 40960)
 
 
+def test_draft_vocabulary_export_and_full_vocab_switch(tmp_path, bf16_target):
+    """A checkpoint with a draft vocabulary exports draft_vocab_size, the target's lm_head rows (in the
+    target's dtype) and int64 d2t offsets, passes the loader check and reads back to the same ids;
+    `--full-vocab` exports the same drafter over the whole vocabulary."""
+    from dataclasses import replace
+
+    from dflash_train.export import load_export
+
+    t = load_target(TargetConfig(path=str(bf16_target), device="cpu", dtype="float32"))
+    cfg = replace(DrafterConfig.from_target(ModelConfig(num_layers=1, block_size=8), t), draft_vocab_size=5)
+    ids = torch.tensor([3, 17, 40, 41, t.vocab_size - 1])
+    run = tmp_path / "run"
+    run.mkdir()
+    rc = RunConfig()
+    rc.target.path = str(bf16_target)
+    save_config(rc, run / "config.yaml")
+    dr = DFlashDrafter(cfg, seed=0)
+    dr.draft_vocab.copy_(ids)
+    mgr = CheckpointManager(run / "checkpoints", keep_last=2, async_save=False)
+    mgr.save(3, dr.state_dict(), {"optimizer": {}},
+             {"step": 3, "drafter_config": cfg.to_dict(), "target_path": str(bf16_target)})
+    mgr.wait()
+    mgr.close()
+    r = _export_cli(run, tmp_path / "dv")
+    assert r.returncode == 0, r.stderr
+    assert "drafting over 5 ids" in r.stdout
+    c = json.loads((tmp_path / "dv" / "config.json").read_text())
+    assert c["draft_vocab_size"] == 5 and c["vocab_size"] == t.vocab_size
+    with safe_open(str(tmp_path / "dv" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("d2t").tolist() == (ids - torch.arange(5)).tolist()
+        head = f.get_tensor("lm_head.weight")
+    assert head.dtype == torch.bfloat16 and torch.equal(head, t.lm_head_weight[ids].to(torch.bfloat16))
+    assert check_export(tmp_path / "dv", target_facts(str(bf16_target))) == ([], [])
+    back, sd = load_export(tmp_path / "dv")
+    assert back.draft_vocab_size == 5 and sd["draft_vocab"].tolist() == ids.tolist()
+
+    r = subprocess.run([sys.executable, "-m", "dflash_train.cli", "export", str(run), "--out", str(tmp_path / "full"),
+                        "--full-vocab"], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    c = json.loads((tmp_path / "full" / "config.json").read_text())
+    assert "draft_vocab_size" not in c
+    with safe_open(str(tmp_path / "full" / "model.safetensors"), "pt") as f:
+        assert not {"d2t", "lm_head.weight"} & set(f.keys())
+    # a d2t that does not fit the config is caught by the loader check
+    c = json.loads((tmp_path / "dv" / "config.json").read_text())
+    c["draft_vocab_size"] = 6
+    (tmp_path / "dv" / "config.json").write_text(json.dumps(c))
+    problems, _ = check_export(tmp_path / "dv", None)
+    assert any("d2t has shape [5]" in p for p in problems), problems
+
+
 def test_export_of_a_drafter_that_does_not_fit_fails_in_one_line(tmp_path, bf16_target):
     t = load_target(TargetConfig(path=str(bf16_target), device="cpu", dtype="float32"))
     cfg = DrafterConfig.from_target(ModelConfig(num_layers=1, block_size=8), t)

@@ -244,13 +244,16 @@ def export(
     out: Path = typer.Option(..., "--out"),
     force: bool = typer.Option(False, "--force", help="replace a previous export at --out (never anything else: "
                                "not a run dir, checkpoint or other non-empty dir)"),
+    full_vocab: bool = typer.Option(False, "--full-vocab", help="a drafter trained with train.vocab_subset drafts "
+                                    "over the whole vocabulary (for engines that read no d2t map: SGLang, the "
+                                    "dflash package); default: its draft vocabulary, as vLLM serves it"),
 ):
     """Write config.json + model.safetensors for SGLang / vLLM / the dflash package."""
 
     def go():
         from dflash_train.export import export_command
 
-        export_command(source, out, force)
+        export_command(source, out, force, full_vocab)
 
     _guard(go)
 

@@ -315,11 +315,16 @@ def _validate_tensors(cfg, tensors: dict[str, torch.Tensor]) -> None:
         raise _err(f"fc.weight has shape {tuple(fc.shape)}, expected {(cfg.hidden_size, K * cfg.hidden_size)}")
 
 
-def export_checkpoint(ckpt_or_run_dir: str | Path, out_dir: str | Path, force: bool = False) -> Path:
-    """Export a checkpoint (or a run's latest) to `out_dir`; refuses a non-empty dir without force."""
+def export_checkpoint(ckpt_or_run_dir: str | Path, out_dir: str | Path, force: bool = False,
+                      full_vocab: bool = False) -> Path:
+    """Export a checkpoint (or a run's latest) to `out_dir`; refuses a non-empty dir without force.
+    full_vocab: a drafter with a draft vocabulary drafts over the target's whole one instead."""
     out = Path(out_dir)
     check_out_dir(out, force)  # before the (possibly slow) load
     src = resolve_drafter_source(ckpt_or_run_dir)
+    if full_vocab and src.config.draft_vocab_size:
+        src = dataclasses.replace(src, config=dataclasses.replace(src.config, draft_vocab_size=0),
+                                  state_dict={k: v for k, v in src.state_dict.items() if k != "draft_vocab"})
     summary = run_summary(src.run_dir, src.step, src.meta)
     name = (src.run_dir.name if src.run_dir is not None else out.name) + "-dflash"
     prov = {
@@ -372,11 +377,13 @@ def serving_warnings(cfg) -> list[str]:
     return check_config(hf_config_dict(cfg), None)[1]
 
 
-def export_command(source: Path, out: Path, force: bool) -> None:
-    path = export_checkpoint(source, out, force)
+def export_command(source: Path, out: Path, force: bool, full_vocab: bool = False) -> None:
+    path = export_checkpoint(source, out, force, full_vocab)
     cfg, sd = load_export(path)
     for w in serving_warnings(cfg):
         print(f"WARNING: {w}", file=sys.stderr)
-    n = sum(int(t.numel()) for t in sd.values())
+    n = sum(int(t.numel()) for k, t in sd.items() if k != "draft_vocab")
     print(f"exported {source} -> {path} ({len(sd)} tensors, {n / 1e6:.2f}M parameters, "
-          f"block_size {cfg.block_size}, target layers {cfg.target_layer_ids})")
+          f"block_size {cfg.block_size}, target layers {cfg.target_layer_ids}"
+          + (f", drafting over {cfg.draft_vocab_size} ids (draft_vocab_size + d2t: vLLM; --full-vocab for SGLang)"
+             if cfg.draft_vocab_size else "") + ")")
