@@ -13,6 +13,8 @@ import sys
 from collections import Counter
 from importlib import metadata
 
+from pathlib import Path
+
 import pytest
 
 from conftest import write_tiny_jsonl
@@ -43,6 +45,7 @@ def _missing_suite_data() -> str | None:
 # in a venv without them the tests that read them are skipped, the refusals still run
 needs_suite_data = pytest.mark.skipif(_missing_suite_data() is not None, reason=str(_missing_suite_data()))
 
+REPO = Path(__file__).resolve().parents[1]
 MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
@@ -219,14 +222,20 @@ def tiny_llama(tiny_target_factory):
     return tiny_target_factory("llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
 
 
-@needs_suite_data
-def test_serve_bench_suites_rows_counters_replay_and_sampling(tiny_llama, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def tiny_export(tiny_llama, tmp_path_factory):
+    """One short run's export, served by the vLLM tests below (trained once for both)."""
     from test_engine_vllm import HAS_VLLM, train_and_export
 
     if not HAS_VLLM:
         pytest.skip("vLLM not installed: run `make vllm`")
-    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
-    export = train_and_export(tmp_path, str(tiny_llama), data, 60)
+    root = tmp_path_factory.mktemp("suite-export")
+    return train_and_export(root, str(tiny_llama), write_tiny_jsonl(root / "conv.jsonl", n=40), 60)
+
+
+@needs_suite_data
+def test_serve_bench_suites_rows_counters_replay_and_sampling(tiny_llama, tiny_export, capsys):
+    export = tiny_export
     r = cli("serve-bench", str(export), "--target", str(tiny_llama), "--suite", "mtbench,humaneval",
             "--num-prompts", "2", "--max-new-tokens", "12", "--k", "3", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -266,3 +275,50 @@ def test_serve_bench_suites_rows_counters_replay_and_sampling(tiny_llama, tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     assert "humaneval" in r.stdout and "n/a (sampling)" in r.stdout and "temperature 1, top-p 0.9" in r.stdout
     assert "DFlash (vLLM)" in r.stdout and "Traceback" not in r.stderr
+
+
+@needs_suite_data
+def test_demo_serving_step_serves_the_suites_beside_the_heldout_prompts_into_report(tiny_llama, tiny_export,
+                                                                                   tmp_path, capsys):
+    """The demo's serve step (demo.judge_in_engine) with demo.suite_prompts=2: the held-out prompts and
+    the suites' in the same three engines, the held-out row as before, report.md a row per suite."""
+    from dflash_train.config import load_config
+    from dflash_train.demo import engine_summary, judge_in_engine, print_comparison
+    from dflash_train.report import write_report
+    from dflash_train.targets import load_target
+
+    cfg = load_config(REPO / "configs" / "cpu-demo.yaml", [f"target.path={tiny_llama}", "demo.suite_prompts=2",
+                                                           "eval.max_new_tokens=12", "demo.serve_k=3"])
+    heldout = ["Please explain how speculative decoding works.", "Write a short poem about the sea."]
+    judged = judge_in_engine(cfg, load_target(cfg.target), heldout, tiny_export)
+    engine, suites = judged["engine"], judged["suites"]
+    # the held-out row: its own two prompts' outputs and counters
+    assert engine["num_prompts"] == 2 and len(engine["outputs"]["plain"]) == 2 and engine["k"] == 3
+    rows = {r["method"]: r for r in engine["rows"]}
+    assert rows["dflash"]["lossless"] is True and rows["ngram"]["lossless"] is True
+    assert abs(rows["dflash"]["tau"] - judged["replay_tau"]) <= 0.1 * judged["replay_tau"]
+    groups = {(g["suite"], g["category"]): g for g in suites["groups"]}
+    assert suites["k"] == 3 and suites["num_prompts_per_suite"] == 2 and suites["max_new_tokens"] == 12
+    assert groups[("mtbench", None)]["num_prompts"] == 4 and groups[("humaneval", None)]["num_prompts"] == 2
+    assert [p["turn"] for p in suites["prompts"]] == [1, 1, 1, 1, 2, 2]
+    for g in suites["groups"]:  # each suite's own counters, from the same engine runs
+        d = {r["method"]: r for r in g["rows"]}["dflash"]
+        assert d["drafts"] > 0 and d["draft_tokens"] == 3 * d["drafts"] and g["lossless"] is True, g
+        assert g["lossless_ngram"] is True and g["tau"] >= 1.0 and g["speedup"] > 0
+
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = engine_summary(engine, judged["replay_tau"], suites=suites, k_sweep=judged["k_sweep"], eval_prompts=2,
+                             eval_max_new_tokens=12, train_seconds=1.0)
+    json.dumps(summary, allow_nan=False)  # summary.json
+    report = write_report(run, summary).read_text()
+    assert ("| suite | prompts | DFlash tau (engine) | n-gram tau | DFlash vs plain | n-gram vs plain | lossless |"
+            in report)
+    for name, n in (("mtbench", 4), ("humaneval", 2)):
+        g = groups[(name, None)]
+        assert (f"| {name} | {n} | {g['tau']:.3f} | {g['tau_ngram']:.3f} | {g['speedup']:.2f}x | "
+                f"{g['speedup_ngram']:.2f}x | yes |") in report, report
+    assert "mtbench/" not in report  # categories (a prompt or two each) stay in summary.json
+    print_comparison(summary)
+    out = capsys.readouterr().out
+    assert "served by vLLM on the held-out prompts" in out and "speedup / tau per suite" in out

@@ -267,7 +267,9 @@ def serve_bench(
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     method: List[str] = typer.Option(["plain", "ngram", "dflash"], "--method", help="plain | ngram | dflash (repeat)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (default: lossless checks hold on CPU) | bfloat16"),
-    k: Optional[int] = typer.Option(None, "--k", help="draft tokens per step, n-gram and DFlash alike (default: block_size - 1)"),
+    # a string: "auto" is a value, and a bad one is our one line, not typer's usage box
+    k: Optional[str] = typer.Option(None, "--k", help="draft tokens per step, n-gram and DFlash alike (default: "
+                                    "block_size - 1); auto: the fastest k of a short sweep in the engine"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     suite: Optional[str] = typer.Option(None, "--suite", help=SUITE_HELP),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (lossless checked); > 0 samples "

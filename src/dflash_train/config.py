@@ -241,8 +241,20 @@ class DemoConfig(_Section):
     # eval: our own speculative decoding (a target vLLM cannot serve DFlash for, e.g. Gemma 3)
     judge: Literal["engine", "eval"] = "engine"
     # draft tokens per step when the engine judges, for n-gram and DFlash alike; 0: block_size - 1.
-    # On CPU the verify forward's cost grows with k (docs/benchmarks.md)
-    serve_k: int = Field(0, ge=0)
+    # On CPU the verify forward's cost grows with k (docs/benchmarks.md). auto: the fastest k of a
+    # short sweep in the engine first (engine/k_sweep.py)
+    serve_k: Literal["auto"] | int = 0
+    # items of each benchmark suite (MT-Bench: both turns, HumanEval) served beside the held-out
+    # prompts in the same engine runs, for report.md's per-suite rows; 0: none (judge: engine only)
+    suite_prompts: int = Field(8, ge=0)
+
+    @field_validator("serve_k", mode="before")
+    @classmethod
+    def _serve_k(cls, v):
+        # one message for every wrong value (the union alone reports one line per member)
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return v
+        raise ValueError("draft tokens per step: a number >= 0 (0: block_size - 1) or auto")
 
 
 class RunConfig(_Section):

@@ -11,9 +11,12 @@
   5. judge    demo.judge=engine: the export served by vLLM beside plain vLLM and
               vLLM's n-gram drafting, the engine's own counters (tau, tok/s,
               lossless), and our replay tau of the same drafter on plain vLLM's
-              outputs; demo.judge=eval (targets vLLM cannot serve DFlash for, e.g.
-              Gemma 3): our own speculative decoding for the trained drafter, an
-              untrained one and prompt lookup
+              outputs; in the same engine runs, demo.suite_prompts items of each
+              benchmark suite (MT-Bench, HumanEval: one row per suite); k from
+              demo.serve_k (auto: a short sweep first); demo.judge=eval
+              (targets vLLM cannot serve DFlash for, e.g. Gemma 3): our own
+              speculative decoding for the trained drafter, an untrained one
+              and prompt lookup
   6. report   RUN_DIR/report.md with plots, RUN_DIR/summary.json
 
 The target is loaded once and shared by every phase. Regenerated answers are
@@ -32,12 +35,18 @@ from rich.table import Table
 from dflash_train.config import RunConfig
 from dflash_train.data import load_prepared
 from dflash_train.data.regenerate import regenerate_conversations
-from dflash_train.engine.serve_bench import check_k, measure_in_vllm, print_engine_table, served_target_dir, vllm_answers
+from dflash_train.errors import UserError
+from dflash_train.engine.k_sweep import AUTO, print_sweep, sweep_k
+from dflash_train.engine.serve_bench import (check_k, measurement, print_engine_table, serve_methods, served_target_dir,
+                                             vllm_answers)
+from dflash_train.engine.suite_serving import suite_result
 from dflash_train.eval.command import evaluate_tau
 from dflash_train.eval.in_training import HeldoutEval
-from dflash_train.eval.prompts import encode_prompts, eval_prompts
+from dflash_train.eval.prompts import chat_format, encode_prompts, eval_prompts
 from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.specdec import tau_of
+from dflash_train.eval.suite_bench import print_suite_tables, suite_items, target_answers
+from dflash_train.eval.suites import SUITE_NAMES, all_turns
 from dflash_train.export import export_checkpoint, resolve_drafter_source
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.model.drafter import DrafterConfig
@@ -94,7 +103,11 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
     """The side-by-side table (trained, untrained, prompt lookup, plain) with plain-words notes."""
     out = out or console
     if summary.get("judge") == "engine":
+        if summary.get("k_sweep"):
+            print_sweep(summary["k_sweep"])
         print_engine_table(summary["engine"], "served by vLLM on the held-out prompts")
+        if summary.get("suites"):
+            print_suite_tables(summary["suites"], "served by vLLM in the same engine runs, per suite")
         for line in explanation(summary):
             out.print(f"  {line}", markup=False)
         return
@@ -139,27 +152,48 @@ def _regenerate(cfg: RunConfig, target, out: Path) -> None:
                              temperature=0.0, target=target, generate=generate)
 
 
-def _judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path, run_dir: Path) -> dict:
-    """The export served by vLLM beside plain vLLM and vLLM's n-gram; our replay tau of the same
-    drafter on plain vLLM's outputs (masks only, as the engine drafts) for the agreement check."""
+def judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path) -> dict:
+    """The export served by vLLM beside plain vLLM and vLLM's n-gram on the held-out prompts and,
+    in the same engine runs (no extra starts), `demo.suite_prompts` items of each benchmark suite;
+    `demo.serve_k: auto` sweeps k first. Our replay tau of the same drafter on plain vLLM's outputs
+    of the held-out prompts (masks only, as the engine drafts) for the agreement check."""
     ids, stops = encode_prompts(target, prompts)
-    k = cfg.demo.serve_k or None
-    engine = measure_in_vllm(export_dir, served_target_dir(cfg.target.path), ids, stops, cfg.eval.max_new_tokens,
-                             k=k, log=lambda m: console.print(m, markup=False))
+    target_dir = served_target_dir(cfg.target.path)
+    log = lambda m: console.print(m, markup=False)  # noqa: E731
+    k, sweep = cfg.demo.serve_k or None, None
+    if k == AUTO:
+        sweep = sweep_k(export_dir, target_dir, ids, stops, cfg.eval.max_new_tokens, log=log)
+        print_sweep(sweep, console)
+        k = sweep["k"]
+    names = list(SUITE_NAMES) if cfg.demo.suite_prompts else []
+    suite_prompts = all_turns(suite_items(names, cfg.demo.suite_prompts),
+                              target_answers(target, cfg.eval.max_new_tokens))
+    suite_ids = [chat_format(target).prompt_ids(list(p.messages)) for p in suite_prompts]
+    t0 = time.perf_counter()
+    raw, job = serve_methods(export_dir, target_dir, ids + suite_ids, stops, cfg.eval.max_new_tokens,
+                             ("plain", "ngram", "dflash"), k, log=log)
+    engine = measurement(raw, job, range(len(ids)), time.perf_counter() - t0)
+    suites = suite_result(raw, job, suite_prompts, names, cfg.demo.suite_prompts, offset=len(ids)) if names else None
     src = resolve_drafter_source(export_dir)
     drafter = build_drafter(src.config, seed=cfg.train.seed)
     drafter.load_state_dict(src.state_dict)
     drafter.to(target.device).eval()
     acc: list[int] = []
     for p, out in zip(ids, engine["outputs"].get("plain", [])):
-        acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=k)
-    return {"engine": engine, "replay_tau": tau_of(acc) if acc else None}
+        acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=engine["k"])
+    return {"engine": engine, "replay_tau": tau_of(acc) if acc else None, "suites": suites, "k_sweep": sweep}
 
 
 def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     demo = cfg.demo
-    if demo.judge == "engine":
-        check_k(demo.serve_k or None, cfg.model.block_size, "demo.serve_k")  # before an hour of work
+    if demo.judge == "engine":  # before an hour of work
+        if demo.serve_k != AUTO:
+            check_k(demo.serve_k or None, cfg.model.block_size, "demo.serve_k")
+        if demo.suite_prompts:  # a suite's data package missing: one line now
+            try:
+                suite_items(SUITE_NAMES, 1)
+            except UserError as e:
+                raise UserError(f"demo.suite_prompts={demo.suite_prompts}: {e} (or demo.suite_prompts=0)") from None
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
@@ -198,11 +232,12 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
                  data_seconds=data_seconds, checkpoint=str(src.path), eval_prompts=len(prompts),
                  eval_max_new_tokens=cfg.eval.max_new_tokens)
     if demo.judge == "engine":
+        suites = f" and {demo.suite_prompts} items of each suite" if demo.suite_prompts else ""
         t0 = _phase(5, f"serve: the export in vLLM beside plain vLLM and vLLM's n-gram, {len(prompts)} held-out "
-                       f"prompts, {cfg.eval.max_new_tokens} new tokens each")
-        judged = _judge_in_engine(cfg, target, prompts, export_dir, run_dir)
+                       f"prompts{suites}, {cfg.eval.max_new_tokens} new tokens each")
+        judged = judge_in_engine(cfg, target, prompts, export_dir)
         summary = engine_summary(judged["engine"], judged["replay_tau"], serve_seconds=time.perf_counter() - t0,
-                                 **extra)
+                                 suites=judged["suites"], k_sweep=judged["k_sweep"], **extra)
     else:
         t0 = _phase(5, f"eval: tau by real speculative decoding, {len(prompts)} held-out prompts, "
                        f"{cfg.eval.max_new_tokens} new tokens each")

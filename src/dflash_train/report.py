@@ -161,6 +161,46 @@ def plot_all(run_dir: Path, out_dir: Path) -> dict[str, str]:
     return plots
 
 
+def suite_lines(suites: dict[str, Any] | None) -> list[str]:
+    """report.md's per-suite table (the demo's `demo.suite_prompts`, served in the same engine runs):
+    one row per suite, its MT-Bench categories left to summary.json (one or two prompts each)."""
+    if not suites:
+        return []
+
+    def lossless(g: dict[str, Any]) -> str:
+        verdicts = [(n, g.get(key)) for n, key in (("DFlash", "lossless"), ("n-gram", "lossless_ngram"))]
+        if any(v is None for _, v in verdicts):
+            return "n/a"
+        bad = [n for n, v in verdicts if not v]
+        return "yes" if not bad else "NO (" + ", ".join(bad) + ")"
+
+    lines = ["", f"### Per benchmark suite (same engines, k {suites.get('k')})", "",
+             "| suite | prompts | DFlash tau (engine) | n-gram tau | DFlash vs plain | n-gram vs plain | lossless |",
+             "|---|---|---|---|---|---|---|"]
+    for g in suites.get("groups", []):
+        if g.get("category") is None:
+            lines.append(f"| {g['suite']} | {g['num_prompts']} | {fmt_num(g.get('tau'), '.3f')} | "
+                         f"{fmt_num(g.get('tau_ngram'), '.3f')} | {fmt_num(g.get('speedup'), '.2f', 'x')} | "
+                         f"{fmt_num(g.get('speedup_ngram'), '.2f', 'x')} | {lossless(g)} |")
+    return lines + ["", f"{suites.get('num_prompts_per_suite')} items per suite (z-lab's order; MT-Bench: both turns, "
+                        "the second after the target's own greedy first answer), <= "
+                        f"{suites.get('max_new_tokens')} new tokens: a few prompts, a rough reading per domain."]
+
+
+def sweep_lines(sweep: dict[str, Any] | None) -> list[str]:
+    """report.md's k sweep (`demo.serve_k: auto`): the rows, the chosen k marked."""
+    if not sweep:
+        return []
+    lines = ["", f"### k chosen by a short sweep: {sweep['k']}", "", "| k | tau | tok/s | vs plain | lossless |",
+             "|---|---|---|---|---|"]
+    for r in sweep["rows"]:
+        ok = "n/a" if r.get("lossless") is None else ("yes" if r["lossless"] else "NO")
+        lines.append(f"| {r['k']}{' (chosen)' if r['k'] == sweep['k'] else ''} | {fmt_num(r.get('tau'), '.3f')} | "
+                     f"{fmt_num(r.get('tokens_per_s'), '.2f')} | {fmt_num(r.get('speedup'), '.2f', 'x')} | {ok} |")
+    return lines + ["", f"{sweep['num_prompts']} prompts x <= {sweep['max_new_tokens']} tokens per k, one engine start "
+                        "each; the fastest by tok/s (ties: the smaller k). Short: differences of a few % are noise."]
+
+
 def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     plots = plot_all(run_dir, run_dir / "plots")
     train, evals = read_metrics(run_dir)
@@ -175,6 +215,7 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         lines += ["", f"Our replay tau of the same drafter on plain vLLM's outputs: "
                       f"{fmt_num(summary.get('tau_replay_dflash'), '.3f')} (engine: "
                       f"{fmt_num(summary.get('tau_engine_dflash'), '.3f')})."]
+        lines += suite_lines(summary.get("suites")) + sweep_lines(summary.get("k_sweep"))
     else:
         lines += ["## Speed: trained drafter vs untrained drafter vs prompt lookup vs plain decoding", "",
                   "| method | tau | tokens/s | speedup vs plain |", "|---|---|---|---|"]

@@ -9,7 +9,8 @@ Three engines, one after the other, on the same prompts (token ids in the target
 format, greedy, batch 1, the chat format's stop tokens): plain vLLM, vLLM's n-gram drafting
 (``method: ngram``, lookup 1-3 tokens) and the DFlash export (``method: dflash``), both with k
 draft tokens per step (``--k``, default block_size - 1; a DFlash drafter may serve fewer than it
-was trained for: the block is then the anchor and k masks). Per method:
+was trained for: the block is then the anchor and k masks; ``--k auto``: the fastest k of a short
+sweep first, engine/k_sweep.py). Per method:
 
 * tau = tokens per target decode step = (n - P) / (n - P - A) over n generated tokens of P
   prompts with A accepted draft tokens (the engine's ``spec_decode_num_accepted_tokens``):
@@ -118,39 +119,58 @@ def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Seq
     t0 = time.perf_counter()
     res, job = serve_methods(export_dir, target_dir, prompt_ids, stop_token_ids, max_new_tokens, methods, k, dtype,
                              log, timeout_s, temperature, top_p)
-    rows = summarise(res["methods"], len(job["prompts"]), compare_outputs=temperature <= 0)
-    return {"vllm_version": res.get("vllm_version"), "rows": rows, "k": job["methods"][0]["k"], "dtype": job["dtype"],
-            "num_prompts": len(job["prompts"]), "max_new_tokens": int(max_new_tokens),
-            "temperature": float(temperature), "top_p": float(top_p),
-            "seconds": time.perf_counter() - t0, "outputs": {m["name"]: m["outputs"] for m in res["methods"]}}
+    return measurement(res, job, range(len(job["prompts"])), time.perf_counter() - t0)
+
+
+def measurement(res: dict[str, Any], job: dict[str, Any], indices: Sequence[int], seconds: float) -> dict[str, Any]:
+    """`measure_in_vllm`'s result for some of a job's prompts (the demo serves its held-out prompts and
+    the suites' in one job): rows from those prompts' own times and counters, their outputs."""
+    indices = list(indices)
+    greedy = job["temperature"] <= 0
+    methods = methods_over(res["methods"], indices)
+    return {"vllm_version": res.get("vllm_version"), "rows": summarise(methods, len(indices), compare_outputs=greedy),
+            "k": job["methods"][0]["k"], "dtype": job["dtype"], "num_prompts": len(indices),
+            "max_new_tokens": job["max_new_tokens"], "temperature": job["temperature"], "top_p": job["top_p"],
+            "seconds": seconds, "outputs": {m["name"]: m["outputs"] for m in methods}}
 
 
 def serve_methods(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]],
                   stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str], k: int | None = None,
                   dtype: str | None = None, log: Callable[[str], None] | None = None, timeout_s: float = 3600.0,
-                  temperature: float = 0.0, top_p: float = 1.0) -> tuple[dict[str, Any], dict[str, Any]]:
+                  temperature: float = 0.0, top_p: float = 1.0,
+                  ks: Sequence[int] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The worker's raw result (each method's outputs, seconds and counters, in total and per prompt)
-    and the job it ran. Raises UserError (one line) when vLLM cannot serve the pair."""
+    and the job it ran; `ks`: a k per method instead of one for all (the k sweep). Raises UserError
+    (one line) when vLLM cannot serve the pair."""
     export_dir = Path(export_dir).resolve()
-    cfg = json.loads((export_dir / "config.json").read_text())
-    k = int(k or int(cfg.get("block_size") or cfg.get("dflash_config", {}).get("block_size", 16)) - 1)
+    k = int(k or export_block_size(export_dir) - 1)
+    ks = [int(x) for x in ks] if ks is not None else [k] * len(methods)
     job = {
         "target": str(target_dir), "dtype": dtype or DEFAULT_DTYPE,
         "max_model_len": _max_model_len(target_dir),
         "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
         "stop_token_ids": [int(s) for s in stop_token_ids],
         "temperature": float(temperature), "top_p": float(top_p),
-        "methods": [{"name": m, "k": k, **({"model": str(export_dir)} if m == "dflash" else {})}
-                    for m in methods],
+        "methods": [{"name": m, "k": mk, **({"model": str(export_dir)} if m == "dflash" else {})}
+                    for m, mk in zip(methods, ks)],
     }
     if log:
         sampling = f"temperature {temperature:g}, top-p {top_p:g}" if temperature > 0 else "greedy"
-        log(f"vLLM: serving {target_dir} with {', '.join(methods)} ({len(job['prompts'])} prompts, "
-            f"<= {max_new_tokens} new tokens, k {k}, {job['dtype']}, {sampling}); one engine start each")
+        what = ", ".join(methods) if len(set(ks)) == 1 else ", ".join(
+            m if m == "plain" else f"{m} k {mk}" for m, mk in zip(methods, ks))
+        k_text = f", k {k}" if len(set(ks)) == 1 else ""
+        log(f"vLLM: serving {target_dir} with {what} ({len(job['prompts'])} prompts, "
+            f"<= {max_new_tokens} new tokens{k_text}, {job['dtype']}, {sampling}); one engine start each")
     res = run_worker(job, timeout_s)
     if "error" in res:
         raise UserError(f"vLLM cannot serve {export_dir.name} on {target_dir}: {_one_line(res['error'])}")
     return res, job
+
+
+def export_block_size(export_dir: Path) -> int:
+    """The block size an export's config.json records (ours and the public DFlash layout)."""
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    return int(cfg.get("block_size") or cfg.get("dflash_config", {}).get("block_size", 16))
 
 
 def _one_line(error: str, limit: int = 400) -> str:
@@ -315,12 +335,16 @@ LOSSLESS_NOTE = {False: "lossless = every output equals plain vLLM's.",
 
 def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, num_prompts: int, max_new_tokens: int,
                         methods: Sequence[str], as_json: bool, dtype: str | None = None,
-                        k: int | None = None, suite: str | None = None, temperature: float = 0.0,
+                        k: int | str | None = None, suite: str | None = None, temperature: float = 0.0,
                         top_p: float = 1.0) -> dict[str, Any]:
     """`dflash-train serve-bench`: the export (or a run's / checkpoint's drafter, exported to a
     temporary dir first) served by vLLM on held-out prompts, a prompts file, or benchmark suites
-    (`--suite`: one row per suite, engine/suite_serving.py)."""
+    (`--suite`: one row per suite, engine/suite_serving.py); `k` "auto": chosen by a short sweep
+    first (engine/k_sweep.py)."""
+    from dflash_train.engine.k_sweep import AUTO, parse_k, sweep_k
+
     suites = suite_names(suite, prompts)  # a bad name: one line before anything loads
+    k = parse_k(k, "--k")
     check_sampling(temperature, top_p)
     bad = [m for m in methods if m not in LABELS]
     if bad:
@@ -330,7 +354,8 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, 
     vllm_python()  # not installed: say so before any work
     prompts = prompts or "heldout"
     src = resolve_drafter_source(drafter)
-    check_k(k, src.config.block_size, "--k")
+    if k != AUTO:
+        check_k(k, src.config.block_size, "--k")
     run_cfg = _run_config_near(src)
     target_path = target or src.target_path or (run_cfg.target.path if run_cfg else None)
     if not target_path:
@@ -339,32 +364,57 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, 
     tok, family = load_tokenizer(TargetConfig(path=target_path))
     shim = TokenizerOnly(tok, family)
     log = None if as_json else (lambda m: print(m, file=sys.stderr, flush=True))
+    sweep = None
     with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
         export_dir = src.path
         if src.kind != "export":
             export_dir = export_checkpoint(src.path, Path(tmp) / "export")
+        if not suites and prompt_list is None:
+            prompt_list = _heldout_from_run(run_cfg, shim, num_prompts)
+        if k == AUTO:  # on the first few prompts the measurement serves (a suite's: its first turns)
+            ids, stops = encode_prompts(shim, prompt_list or _first_turns(suites, num_prompts))
+            sweep = sweep_k(export_dir, served_target_dir(target_path), ids, stops, max_new_tokens, dtype, log,
+                            temperature, top_p)
+            k = sweep["k"]
         if suites:
             from dflash_train.engine.suite_serving import serve_suites
-            from dflash_train.eval.suite_bench import print_suite_tables
 
             res = serve_suites(export_dir, target_path, shim, suites, num_prompts, max_new_tokens, methods, k=k,
                                dtype=dtype, temperature=temperature, top_p=top_p, log=log)
         else:
-            if prompt_list is None:
-                prompt_list = _heldout_from_run(run_cfg, shim, num_prompts)
             ids, stops = encode_prompts(shim, prompt_list)
             res = measure_in_vllm(export_dir, served_target_dir(target_path), ids, stops, max_new_tokens, methods,
                                   k=k, dtype=dtype, log=log, temperature=temperature, top_p=top_p)
     res.update({"drafter": str(src.path), "target": target_path})
+    if sweep is not None:
+        res["k_sweep"] = sweep
     if not suites:  # with --suite, "prompts" lists the suites' prompts (suite, item, category, turn)
         res["prompts"] = prompts
+    _print_result(res, as_json, suites, sweep, f"{src.path} on {target_path}")
+    return res
+
+
+def _first_turns(suites: Sequence[str], num_prompts: int) -> list[str]:
+    from dflash_train.engine.k_sweep import SWEEP_PROMPTS
+    from dflash_train.eval.suite_bench import suite_items
+
+    return [it.turns[0] for it in suite_items(suites, num_prompts)][:SWEEP_PROMPTS]
+
+
+def _print_result(res: dict[str, Any], as_json: bool, suites, sweep, what: str) -> None:
     if as_json:  # with every method's output token ids (plain's are what the others must equal)
         print(json.dumps(_jsonable(res), allow_nan=False))
-    elif suites:
-        print_suite_tables(res, f"served by vLLM, per suite: {src.path} on {target_path}")
+        return
+    if sweep is not None:
+        from dflash_train.engine.k_sweep import print_sweep
+
+        print_sweep(sweep)
+    if suites:
+        from dflash_train.eval.suite_bench import print_suite_tables
+
+        print_suite_tables(res, f"served by vLLM, per suite: {what}")
     else:
-        print_engine_table(res, f"served by vLLM: {src.path} on {target_path}")
-    return res
+        print_engine_table(res, f"served by vLLM: {what}")
 
 
 def check_sampling(temperature: float, top_p: float) -> None:

@@ -17,8 +17,7 @@ def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence
     """The export served by vLLM over the suites; `tokenizer_target`: anything with .tokenizer and
     .family (the chat format). Rows per group (module docstring)."""
     from dflash_train.data.template import ChatFormat
-    from dflash_train.engine.serve_bench import (DEFAULT_DTYPE, generate_in_vllm, methods_over, serve_methods,
-                                                 served_target_dir, summarise)
+    from dflash_train.engine.serve_bench import DEFAULT_DTYPE, generate_in_vllm, serve_methods, served_target_dir
 
     fmt = ChatFormat(tokenizer_target.tokenizer, tokenizer_target.family)
     stops = fmt.stop_token_ids()
@@ -40,21 +39,33 @@ def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence
     raw, job = serve_methods(export_dir, target_dir, ids, stops, max_new_tokens, methods, k, dtype, log,
                              temperature=temperature, top_p=top_p)
     k = job["methods"][0]["k"]
-    greedy = temperature <= 0
     outputs = {m["name"]: m["outputs"] for m in raw["methods"]}
     replayed = None
-    if greedy and "dflash" in outputs and "plain" in outputs:
+    if temperature <= 0 and "dflash" in outputs and "plain" in outputs:
         replayed = replay_per_prompt(export_dir, target_path, ids, outputs["plain"], k, log)
+    res = suite_result(raw, job, prompts, names, num_prompts, replayed=replayed)
+    return {**res, "answers_followed": answered, "outputs": outputs}
+
+
+def suite_result(raw: dict[str, Any], job: dict[str, Any], prompts: Sequence[SuitePrompt], names: Sequence[str],
+                 num_prompts: int, offset: int = 0, replayed: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+    """The per-suite (and MT-Bench category) rows of the suites' prompts, which sit at `offset` in
+    the job's prompts (the demo serves its held-out prompts first, in the same engine runs);
+    `replayed`: our acceptance lengths per suite prompt, or None."""
+    from dflash_train.engine.serve_bench import methods_over, summarise
+
+    greedy = job["temperature"] <= 0
     groups = []
     for g in groups_of(prompts):
-        rows = summarise(methods_over(raw["methods"], g.indices), len(g.indices), compare_outputs=greedy)
+        rows = summarise(methods_over(raw["methods"], [offset + i for i in g.indices]), len(g.indices),
+                         compare_outputs=greedy)
         groups.append({**group_head(g), **engine_figures(rows),
                        "tau_replay": pooled_tau([replayed[i] for i in g.indices]) if replayed else None,
                        "rows": rows})
-    return {"measured_by": "vllm", "vllm_version": raw.get("vllm_version"), "suites": list(names), "k": k,
-            "dtype": dtype, "temperature": float(temperature), "top_p": float(top_p),
-            "max_new_tokens": int(max_new_tokens), "num_prompts_per_suite": int(num_prompts), "groups": groups,
-            "prompts": describe(prompts), "answers_followed": answered, "outputs": outputs}
+    return {"measured_by": "vllm", "vllm_version": raw.get("vllm_version"), "suites": list(names),
+            "k": job["methods"][0]["k"], "dtype": job["dtype"], "temperature": job["temperature"],
+            "top_p": job["top_p"], "max_new_tokens": job["max_new_tokens"], "num_prompts_per_suite": int(num_prompts),
+            "groups": groups, "prompts": describe(prompts)}
 
 
 def replay_per_prompt(export_dir, target_path: str, prompt_ids, outputs, k: int, log: Log | None) -> list[list[int]]:

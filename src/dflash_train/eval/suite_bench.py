@@ -35,27 +35,36 @@ def group_head(g: Group) -> dict[str, Any]:
     return {"suite": g.suite, "category": g.category, "label": g.label, "num_prompts": len(g.indices)}
 
 
-def eval_suites(drafter, target, names: Sequence[str], num_prompts: int, max_new_tokens: int, temperature: float,
-                seed: int, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """`evaluate_tau` over the suites' prompts with our decoding, pooled per group."""
-    import torch
+def target_answers(target, max_new_tokens: int) -> Callable[[list[SuitePrompt]], list[str]]:
+    """`all_turns`' answerer by our own plain decoding of a loaded target: greedy, whatever the
+    temperature measured (the target's own answer). The demo uses it too: its target is loaded,
+    and a vLLM run for the answers would be one more engine start."""
+    def answer(prompts: list[SuitePrompt]) -> list[str]:
+        import torch
 
-    from dflash_train.eval.command import evaluate_tau
-    from dflash_train.eval.prompts import chat_format
-    from dflash_train.eval.specdec import plain_generate
+        from dflash_train.eval.prompts import chat_format
+        from dflash_train.eval.specdec import plain_generate
 
-    fmt = chat_format(target)
-    stops = fmt.stop_token_ids()
-
-    def first_answers(prompts: list[SuitePrompt]) -> list[str]:
+        fmt = chat_format(target)
         out = []
-        for p in prompts:  # greedy, whatever the temperature measured: the target's own answer
+        for p in prompts:
             ids = torch.tensor([fmt.prompt_ids(list(p.messages))], device=target.device)
-            seq = plain_generate(target, ids, max_new_tokens, stops)[0, ids.shape[1]:]
+            seq = plain_generate(target, ids, max_new_tokens, fmt.stop_token_ids())[0, ids.shape[1]:]
             out.append(target.tokenizer.decode(seq.tolist(), skip_special_tokens=True))
         return out
 
-    prompts = all_turns(suite_items(names, num_prompts), first_answers)
+    return answer
+
+
+def eval_suites(drafter, target, names: Sequence[str], num_prompts: int, max_new_tokens: int, temperature: float,
+                seed: int, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """`evaluate_tau` over the suites' prompts with our decoding, pooled per group."""
+    from dflash_train.eval.command import evaluate_tau
+    from dflash_train.eval.prompts import chat_format
+
+    fmt = chat_format(target)
+    stops = fmt.stop_token_ids()
+    prompts = all_turns(suite_items(names, num_prompts), target_answers(target, max_new_tokens))
     per_prompt = []
     for i, p in enumerate(prompts):
         # one prompt per call (seed + i: the sampling seed of prompt i), pooled per group below
