@@ -258,7 +258,7 @@ def test_regenerate_on_a_full_disk_keeps_whole_answers_and_goes_on(tiny_target_d
 
 @needs_mount
 def test_precompute_on_a_full_disk_is_one_line_and_the_same_command_goes_on(tiny_target_dir, tiny_jsonl, tmpfs):
-    from dflash_train.pipeline.precompute import PrecomputedFeatures
+    from dflash_train.pipeline.precomputed import PrecomputedFeatures
 
     mnt = tmpfs("1m")
     fill(mnt, 200 * 1024)

@@ -11,7 +11,7 @@ from dflash_train.data.prepare import load_prepared, read_source_conversations
 from dflash_train.data.sources import is_heldout
 from dflash_train.data.template import ChatFormat
 from dflash_train.errors import UserError
-from dflash_train.pipeline.precompute import PRECOMPUTED, read_precomputed_heldout
+from dflash_train.pipeline.precomputed import PRECOMPUTED, read_precomputed_heldout
 
 
 def heldout_prompts(heldout: Sequence[Any], num_prompts: int) -> list[str]:
