@@ -159,6 +159,15 @@ def regenerate(
     temperature: float = typer.Option(0.0, "--temperature"),
     engine: str = typer.Option("trainer", "--engine", help="trainer (our batched loop) | vllm (one batched "
                                "vLLM run in .venv-vllm, greedy; ~6x the tokens/s on 2 cores)"),
+    endpoint: Optional[List[str]] = typer.Option(None, "--endpoint", help="an OpenAI-compatible server of the target "
+                                                 "(vllm serve, SGLang) to answer through; repeat for several "
+                                                 "(docs/fleet.md)"),
+    local_servers: int = typer.Option(0, "--local-servers", help="start N local vLLM servers of the target (one "
+                                      "per GPU; on CPU the cores split), answer through them, stop them at the end"),
+    max_in_flight: int = typer.Option(64, "--max-in-flight", help="requests in flight per endpoint"),
+    endpoint_wait: float = typer.Option(120.0, "--endpoint-wait", help="seconds with no endpoint up before the "
+                                        "run stops (the same command resumes)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling with --temperature > 0"),
 ):
     """Rewrite assistant turns with the target itself (greedy, batched, resumable)."""
 
@@ -169,6 +178,24 @@ def regenerate(
         cfg = _load_config(config, overrides)
         if engine not in ("trainer", "vllm"):
             raise UserError(f"--engine {engine!r}: choose trainer or vllm")
+        if endpoint or local_servers:
+            from dflash_train.data.endpoints import FleetSpec
+            from dflash_train.engine.serve_bench import TokenizerOnly
+
+            if engine == "vllm":
+                raise UserError("--engine vllm is one batched run in this process; --endpoint / --local-servers "
+                                "answer through servers: choose one")
+            # bad URLs or N: one line before any work; the servers start only when answers are needed
+            servers = None
+            if local_servers:
+                from dflash_train.engine.local_servers import LocalServers
+
+                servers = LocalServers(cfg.target.path, local_servers, log=typer.echo)
+            spec = FleetSpec(endpoint or [], (lambda: servers) if servers else None, max_in_flight, endpoint_wait)
+            tok, family = load_tokenizer(cfg.target)
+            regenerate_conversations(cfg, out, TokenizerOnly(tok, family), None, max_new_tokens, batch_size,
+                                     temperature, fleet=spec, top_p=top_p)
+            return
         if engine == "vllm":
             from dflash_train.engine.serve_bench import TokenizerOnly, vllm_answers
 
@@ -177,7 +204,8 @@ def regenerate(
                                      temperature, generate=vllm_answers(cfg.target.path, log=typer.echo))
             return
         # the target loads only when some conversation still needs an answer
-        regenerate_conversations(cfg, out, lambda: load_target(cfg.target), None, max_new_tokens, batch_size, temperature)
+        regenerate_conversations(cfg, out, lambda: load_target(cfg.target), None, max_new_tokens, batch_size, temperature,
+                                 top_p=top_p)
 
     _guard(go)
 

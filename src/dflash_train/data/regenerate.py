@@ -4,17 +4,23 @@ Single-turn: for every conversation of ``data.source`` (at most ``data.limit``)
 the prompt is its system text (if any) + FIRST user turn, formatted with the
 target's chat format and its generation prompt; the target generates the
 answer (greedy at temperature 0, else sampling seeded by ``train.seed``),
-batched with left padding, stopping at the end-of-turn / eos token or
-``max_new_tokens``. Later turns of multi-turn conversations are dropped.
-Prompts of ``data.max_tokens`` tokens or more are skipped (their answer could
-not fit in a training row).
+stopping at the chat format's stop tokens or ``max_new_tokens``. Later turns of
+multi-turn conversations are dropped. Prompts of ``data.max_tokens`` tokens or
+more are skipped (their answer could not fit in a training row).
+
+Who writes the answers: our batched loop (left padding, `generate_answers`), one
+batched vLLM run per chunk (``generate=``), or OpenAI-compatible servers
+(``fleet=``: `--endpoint URL` repeated, `--local-servers N`; data/endpoints.py).
 
 Output: one JSON line per conversation, ShareGPT shape with the SAME id (so the
 held-out split is unchanged) plus ``"regenerated": {"max_new_tokens",
-"temperature", "finished", "new_tokens"}``. Resumable: the output file is
-appended to, conversations whose id is already present are skipped, and a
-torn last line (an interrupted write) is cut off first. Train on the result
-with ``data.regenerated=OUT``.
+"temperature", "top_p", "finished", "new_tokens", "token_ids", "engine"}``:
+``token_ids`` are the answer's ids exactly as the target produced them (the
+stop token excluded), the text is their decoding. Records are appended as
+answers come back and fsync'd every chunk (at most every SYNC_EVERY records or
+SYNC_SECONDS). Resumable: conversations whose id is already present are
+skipped, and a torn last line (an interrupted write) is cut off first. Train on
+the result with ``data.regenerated=OUT``.
 """
 from __future__ import annotations
 
@@ -58,7 +64,8 @@ def done_ids(out: Path) -> set[str]:
 
 
 def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_tokens: int,
-                     temperature: float, generator_seed: int | None = None) -> list[tuple[list[int], bool]]:
+                     temperature: float, generator_seed: int | None = None,
+                     top_p: float = 1.0) -> list[tuple[list[int], bool]]:
     """Batched generation with left padding -> [(new token ids without the stop token, finished)]."""
     tok = target.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
@@ -71,7 +78,7 @@ def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_
         att[i, T - len(p):] = 1
     kw = dict(max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=stops or None)
     if temperature > 0:
-        kw.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
+        kw.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=float(top_p))
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
     else:
@@ -94,34 +101,103 @@ def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_
 # prompts per engine call: an interrupted or timed-out engine run loses at most this many answers
 # (each call is one engine start, ~20-40 s on CPU; 1,024 x 128 tokens is ~15 min at 143 tok/s)
 ENGINE_CHUNK = 1024
+# answers from servers come back one at a time: fsync after this many records or seconds
+SYNC_EVERY, SYNC_SECONDS = 256, 2.0
+
+
+def split_stop(ids, stops) -> tuple[list[int], int | None]:
+    """The answer before its first stop token, and that stop token (None: no stop token ended
+    it). An engine returns the stop id with the answer; generate_answers never keeps it either."""
+    for i, t in enumerate(ids):
+        if t in stops:
+            return [int(x) for x in ids[:i]], int(t)
+    return [int(x) for x in ids], None
+
+
+class _Records:
+    """The output file's writer: one record per answer, fsync'd every chunk."""
+
+    def __init__(self, f, tokenizer, meta: dict, counts: dict):
+        self.f, self.tokenizer, self.meta, self.counts = f, tokenizer, meta, counts
+        self.unsynced, self.synced_at, self.ids = 0, time.monotonic(), set()
+
+    def add(self, conv: Conversation, new: list[int], finished: bool, engine: str) -> None:
+        if conv.id in self.ids:  # the file never holds a conversation twice
+            return
+        self.ids.add(conv.id)
+        self.counts["new_tokens"] += len(new)
+        text = self.tokenizer.decode(new, skip_special_tokens=True).strip()
+        if not text:
+            self.counts["empty_answer"] += 1
+            return
+        rec = Conversation(conv.id, conv.messages + [{"role": "assistant", "content": text}]).to_json()
+        rec["regenerated"] = {**self.meta, "finished": bool(finished), "new_tokens": len(new),
+                              "token_ids": list(new), "engine": engine}
+        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.counts["written"] += 1
+        self.unsynced += 1
+
+    def sync(self, force: bool = True) -> None:
+        if self.unsynced and (force or self.unsynced >= SYNC_EVERY
+                              or time.monotonic() - self.synced_at >= SYNC_SECONDS):
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.unsynced, self.synced_at = 0, time.monotonic()
+
+
+@contextlib.contextmanager
+def _bar(console, total: int, counts: dict):
+    """A rich progress bar: answers, elapsed, ETA, tokens/s, per-endpoint counts;
+    yields advance(n_answers, new_tokens_so_far, per_endpoint=""). The seconds it was up are
+    counts["answer_seconds"] (local servers' start-up not counted)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    t0 = time.perf_counter()
+    with Progress(TextColumn("[bold]regenerating[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[tps]}"),
+                  TextColumn("{task.fields[per]}"), console=console) as bar:
+        task = bar.add_task("regen", total=total, tps="", per="")
+
+        def advance(n: int, new_tokens: int, per: str = "") -> None:
+            tps = new_tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.update(task, advance=n, tps=f"{tps:.1f} tok/s", per=per)
+
+        try:
+            yield advance
+        finally:
+            counts["answer_seconds"] = round(time.perf_counter() - t0, 2)
 
 
 def regenerate_conversations(cfg, out: Path, target, max_conversations: int | None = None, max_new_tokens: int = 256,
                              batch_size: int = 8, temperature: float = 0.0, generate=None,
-                             engine_chunk: int = ENGINE_CHUNK) -> dict:
+                             engine_chunk: int = ENGINE_CHUNK, fleet=None, top_p: float = 1.0) -> dict:
     """Regenerate the answers of the first `max_conversations` conversations of
     ``data.source`` (default ``data.limit``) into `out` (JSONL, appended,
     resumable) with `target`: a loaded Target, or a function that loads one (called only when
     something is left to regenerate). Returns counts:
     conversations, already_done, written, prompt_too_long, empty_answer,
-    new_tokens, seconds.
+    new_tokens, seconds (+ per_endpoint through a fleet).
 
     `generate`: answers all prompts in one batched call instead of our own decoding loop
     (``generate(prompt_ids, max_new_tokens, stop_token_ids) -> [(new ids, finished)]``, greedy;
     the demo passes vLLM's batched generation, `engine.serve_bench.generate_in_vllm`), called on
-    `engine_chunk` prompts at a time, each chunk's answers written before the next; `target`
-    then only needs its tokenizer and family."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    if max_new_tokens < 1 or batch_size < 1 or temperature < 0:
-        raise DataError("regenerate needs max_new_tokens >= 1, batch_size >= 1, temperature >= 0")
+    `engine_chunk` prompts at a time, each chunk's answers written before the next.
+    `fleet`: a `data.endpoints.FleetSpec`: OpenAI-compatible servers answer, requests in flight
+    at once, records written as answers come back. With either, `target` only needs its
+    tokenizer and family."""
+    if max_new_tokens < 1 or batch_size < 1 or not temperature >= 0 or not 0 < top_p <= 1:
+        raise DataError("regenerate needs max_new_tokens >= 1, batch_size >= 1, temperature >= 0, 0 < top_p <= 1")
+    if generate is not None and fleet is not None:
+        raise DataError("regenerate answers through one engine: a batched engine run or endpoints, not both")
     src = cfg.data.source
     if src.startswith(("prepared:", "precomputed:")):
         raise DataError(f"regenerate reads conversations; data.source={src} has none")
     out = Path(out)
     with writing(out.parent, "creating"):
         out.parent.mkdir(parents=True, exist_ok=True)
+    from rich.console import Console
+
     console = Console(stderr=True)
     limit = max_conversations if max_conversations is not None else cfg.data.limit
     convs, _ = read_conversations(src, limit)
@@ -148,61 +224,88 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
     if not items:  # a rerun: what is left has prompts too long to answer
         console.print(f"regenerate: nothing left to answer in {out} ({counts['prompt_too_long']} prompts too long)")
         return counts
+    if generate is not None and temperature != 0:
+        raise DataError("regenerate through an engine is greedy only (temperature 0)")
     # batches of similar prompt lengths: left padding is wasted compute on every decode step
     items.sort(key=lambda it: len(it[1]))
     t0 = time.perf_counter()
-    # a refused write (full disk, read-only or vanished directory): one line; the batches fsync'd
+    meta = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    # a refused write (full disk, read-only or vanished directory): one line; the records fsync'd
     # before stay, a torn last line is cut off by the rerun (done_ids)
-    appending = lambda: writing(out, hint="the answers written before are kept and "  # noqa: E731
-                                          "the same command goes on from there")
-
-    def write(f, conv: Conversation, new: list[int], finished: bool) -> None:
-        text = target.tokenizer.decode(new, skip_special_tokens=True).strip()
-        counts["new_tokens"] += len(new)
-        if not text:
-            counts["empty_answer"] += 1
-            return
-        rec = Conversation(conv.id, conv.messages + [{"role": "assistant", "content": text}]).to_json()
-        rec["regenerated"] = {"max_new_tokens": max_new_tokens, "temperature": temperature,
-                              "finished": finished, "new_tokens": len(new)}
-        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        counts["written"] += 1
-
-    if generate is not None:
-        if temperature != 0:
-            raise DataError("regenerate through an engine is greedy only (temperature 0)")
-        runs = range(0, len(items), engine_chunk)
-        console.print(f"regenerating {len(items)} answers in {len(runs)} batched engine run(s)")
-        with appending(), out.open("a", encoding="utf-8") as f:
-            for b in runs:
-                chunk = items[b:b + engine_chunk]
-                try:
-                    answers = generate([ids for _, ids in chunk], max_new_tokens, fmt.stop_token_ids())
-                except BaseException:
-                    console.print(f"regenerate: {counts['written']} answers of this run kept in {out}; "
-                                  "a rerun goes on from there")
-                    raise
-                for (conv, _), (new, finished) in zip(chunk, answers):
-                    write(f, conv, list(new), bool(finished))
-                f.flush()
-                os.fsync(f.fileno())
-    else:
-        with Progress(TextColumn("[bold]regenerating[/bold]"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), TextColumn("{task.fields[tps]}"), console=console) as bar:
-            task = bar.add_task("regen", total=len(items), tps="")
-            with appending(), out.open("a", encoding="utf-8") as f:
-                for b in range(0, len(items), batch_size):
-                    chunk = items[b:b + batch_size]
-                    seed = None if temperature == 0 else int(cfg.train.seed) * 1_000_003 + b
-                    answers = generate_answers(target, fmt, [ids for _, ids in chunk], max_new_tokens, temperature, seed)
-                    for (conv, _), (new, finished) in zip(chunk, answers):
-                        write(f, conv, new, finished)
-                    f.flush()
-                    os.fsync(f.fileno())
-                    dt = time.perf_counter() - t0
-                    bar.update(task, advance=len(chunk), tps=f"{counts['new_tokens'] / max(dt, 1e-9):.1f} tok/s")
+    with writing(out, hint="the answers written before are kept and the same command goes on from there"), \
+            out.open("a", encoding="utf-8") as f:
+        records = _Records(f, target.tokenizer, meta, counts)
+        try:
+            if fleet is not None:
+                _through_fleet(fleet, items, fmt, cfg, max_new_tokens, temperature, top_p, records, console)
+            elif generate is not None:
+                _through_engine(generate, items, fmt, max_new_tokens, engine_chunk, records, console)
+            else:
+                with _bar(console, len(items), counts) as advance:
+                    for b in range(0, len(items), batch_size):
+                        chunk = items[b:b + batch_size]
+                        seed = None if temperature == 0 else int(cfg.train.seed) * 1_000_003 + b
+                        answers = generate_answers(target, fmt, [ids for _, ids in chunk], max_new_tokens,
+                                                   temperature, seed, top_p)
+                        for (conv, _), (new, finished) in zip(chunk, answers):
+                            records.add(conv, new, finished, "trainer")
+                        records.sync()
+                        advance(len(chunk), counts["new_tokens"])
+        except BaseException:
+            records.sync()
+            console.print(f"regenerate: {counts['written']} answers of this run kept in {out}; "
+                          "a rerun goes on from there")
+            raise
+        records.sync()
     counts["seconds"] = round(time.perf_counter() - t0, 2)
     console.print(f"regenerate: wrote {counts['written']} answers to {out} ({counts['already_done']} already there, "
                   f"{counts['prompt_too_long']} prompts too long, {counts['empty_answer']} empty) "
-                  f"in {counts['seconds']} s, {counts['new_tokens']} new tokens")
+                  f"in {counts['seconds']} s, {counts['new_tokens']} new tokens "
+                  f"({counts['new_tokens'] / max(counts.get('answer_seconds', 0), 1e-9):.1f} tok/s over the "
+                  f"{counts.get('answer_seconds')} s of answering)")
     return counts
+
+
+def _through_engine(generate, items, fmt: ChatFormat, max_new_tokens: int, engine_chunk: int,
+                    records: _Records, console) -> None:
+    """One batched engine run per chunk of prompts, each chunk written before the next."""
+    stops = fmt.stop_token_ids()
+    runs = range(0, len(items), engine_chunk)
+    console.print(f"regenerating {len(items)} answers in {len(runs)} batched engine run(s)")
+    with _bar(console, len(items), records.counts) as advance:
+        for b in runs:
+            chunk = items[b:b + engine_chunk]
+            answers = generate([ids for _, ids in chunk], max_new_tokens, stops)
+            for (conv, _), (ids, finished) in zip(chunk, answers):
+                new, stop = split_stop(ids, stops)
+                records.add(conv, new, bool(finished) or stop is not None, "vllm")
+            records.sync()
+            advance(len(chunk), records.counts["new_tokens"])
+
+
+def _through_fleet(spec, items, fmt: ChatFormat, cfg, max_new_tokens: int, temperature: float, top_p: float,
+                   records: _Records, console) -> None:
+    """OpenAI-compatible servers answer (data/endpoints.py); `spec.start` (local servers) runs
+    only now that answers are needed and stops with this function, also on errors."""
+    from dflash_train.data.endpoints import Fleet, Job, Sampling
+
+    stops = fmt.stop_token_ids()
+    with (spec.start() if spec.start is not None else contextlib.nullcontext([])) as started:
+        # a generation runs at >= 1 tok/s even on a loaded CPU server: past that it hangs
+        fleet = Fleet([*spec.urls, *started], spec.max_in_flight, spec.wait_s, log=console.print,
+                      request_timeout=300.0 + max_new_tokens)
+        served = fleet.connect()
+        fleet.check_context(max(len(ids) for _, ids in items) + max_new_tokens)
+        models = sorted({s.model for s in served})
+        console.print(f"regenerating {len(items)} answers through {len(served)} endpoint(s) serving "
+                      f"{', '.join(models)}, at most {spec.max_in_flight} requests in flight each")
+        sampling = Sampling(max_new_tokens, stops, temperature, top_p, int(cfg.train.seed))
+        by_id = {conv.id: conv for conv, _ in items}
+        with _bar(console, len(items), records.counts) as advance:
+            for a in fleet.answer([Job(conv.id, ids) for conv, ids in items], sampling):
+                new, stop = split_stop(a.token_ids, stops)
+                records.add(by_id[a.key], new, stop is not None or a.finish_reason == "stop", a.endpoint)
+                records.sync(force=False)
+                advance(1, records.counts["new_tokens"], fleet.counts())
+        records.counts["per_endpoint"] = {e.base: e.answered for e in fleet.endpoints}
+        console.print(f"answers per endpoint: {fleet.counts()}")
