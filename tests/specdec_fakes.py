@@ -82,6 +82,9 @@ class OracleDrafter:
         top = target.logits(self._hidden.to(target.dtype)).argmax(-1)
         self._ok = top == torch.arange(W.shape[0], device=top.device)
 
+    def restrict_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits  # the oracle drafts over the whole vocabulary
+
     def new_cache(self) -> _OracleCache:
         return _OracleCache()
 
