@@ -63,6 +63,15 @@ def done_ids(out: Path) -> set[str]:
     return ids
 
 
+def split_stop(ids, stops) -> tuple[list[int], int | None]:
+    """The answer before its first stop token, and that stop token (None: no stop token ended
+    it). An engine returns the stop id with the answer; a batched generate() pads rows past it."""
+    for i, t in enumerate(ids):
+        if t in stops:
+            return [int(x) for x in ids[:i]], int(t)
+    return [int(x) for x in ids], None
+
+
 def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_tokens: int,
                      temperature: float, generator_seed: int | None = None,
                      top_p: float = 1.0) -> list[tuple[list[int], bool]]:
@@ -88,13 +97,8 @@ def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_
         out = target.model.generate(input_ids=ids.to(target.device), attention_mask=att.to(target.device), **kw)
     res = []
     for row in out[:, T:].tolist():
-        new, finished = [], False
-        for t in row:
-            if t in stops:
-                finished = True
-                break
-            new.append(t)
-        res.append((new, finished))
+        new, stop = split_stop(row, stops)
+        res.append((new, stop is not None))
     return res
 
 
@@ -103,15 +107,6 @@ def generate_answers(target, fmt: ChatFormat, prompts: list[list[int]], max_new_
 ENGINE_CHUNK = 1024
 # answers from servers come back one at a time: fsync after this many records or seconds
 SYNC_EVERY, SYNC_SECONDS = 256, 2.0
-
-
-def split_stop(ids, stops) -> tuple[list[int], int | None]:
-    """The answer before its first stop token, and that stop token (None: no stop token ended
-    it). An engine returns the stop id with the answer; generate_answers never keeps it either."""
-    for i, t in enumerate(ids):
-        if t in stops:
-            return [int(x) for x in ids[:i]], int(t)
-    return [int(x) for x in ids], None
 
 
 class _Records:
