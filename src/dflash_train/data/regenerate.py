@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.data.sources import Conversation, DataError, read_conversations
+from dflash_train.data.prepare import read_source_conversations
+from dflash_train.data.sources import Conversation, DataError
 from dflash_train.data.template import ChatFormat
 from dflash_train.storage import writing
 
@@ -168,7 +169,7 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
                              batch_size: int = 8, temperature: float = 0.0, generate=None,
                              engine_chunk: int = ENGINE_CHUNK, fleet=None, top_p: float = 1.0) -> dict:
     """Regenerate the answers of the first `max_conversations` conversations of
-    ``data.source`` (default ``data.limit``) into `out` (JSONL, appended,
+    ``data.source`` (default ``data.limit``) and of ``data.domain_prompts``' prompts into `out` (JSONL, appended,
     resumable) with `target`: a loaded Target, or a function that loads one (called only when
     something is left to regenerate). Returns counts:
     conversations, already_done, written, prompt_too_long, empty_answer,
@@ -195,7 +196,9 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
 
     console = Console(stderr=True)
     limit = max_conversations if max_conversations is not None else cfg.data.limit
-    convs, _ = read_conversations(src, limit)
+    source = cfg.model_copy(deep=True)
+    source.data.regenerated = None
+    convs, _ = read_source_conversations(source, limit)  # data.domain_prompts' prompts included
     with writing(out):  # cutting a torn last line off
         done = done_ids(out)
     todo = [c for c in convs if c.id not in done]
