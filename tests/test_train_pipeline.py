@@ -92,6 +92,10 @@ def test_offline_equals_online(tiny, precomputed):
     res = run_train(offline, over + [f"data.source=precomputed:{pre}"])
     assert res.returncode == 0, res.stderr
     assert losses(offline) == losses(online)
+    # training from features never runs the decoder: it is not loaded (the peak RSS a user pays)
+    log = (offline / "logs" / "train.log").read_text()
+    assert "target head only (no decoder layer loaded)" in log
+    assert "target head only" not in (online / "logs" / "train.log").read_text()
 
 
 def test_corrupt_precomputed_shard_is_a_clear_error(tiny, precomputed, tmp_path):

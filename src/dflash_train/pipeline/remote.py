@@ -29,7 +29,7 @@ from dflash_train.data import DataOrder, load_prepared
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
 from dflash_train.pipeline.batch import TrainBatch
-from dflash_train.pipeline.precomputed import PrecomputedBatchSource
+from dflash_train.pipeline.precomputed import PRECOMPUTED, PrecomputedBatchSource
 from dflash_train.pipeline.source import TargetBatchSource
 from dflash_train.pipeline.stages import Pipeline, PipelineError, StageStats
 from dflash_train.targets import load_target
@@ -46,10 +46,12 @@ def capture_ids(cfg, layer_ids, target) -> list[int]:
 
 
 def load_trainer_target(ctx, cfg, device: torch.device, tokenizer):
-    """The target a trainer rank needs: alone, the whole model (it captures); under torchrun the
-    embedding, lm_head and final norm only, except on the leader when the in-training eval runs
-    (speculative decoding needs the whole target there)."""
-    if ctx.distributed and not (ctx.is_leader and cfg.eval.every_steps):
+    """The target a trainer rank needs: the embedding, lm_head and final norm only when it never
+    runs the decoder - under torchrun (the target ranks capture), or alone on precomputed
+    features - except where the in-training eval runs (speculative decoding needs the whole
+    target); otherwise the whole model (it captures)."""
+    offline = cfg.data.source.startswith(PRECOMPUTED)
+    if (ctx.distributed or offline) and not (ctx.is_leader and cfg.eval.every_steps):
         return load_head_only_target(cfg.target, device, tokenizer)
     return load_target(cfg.target, device=device, tokenizer=tokenizer)
 
