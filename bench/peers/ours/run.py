@@ -1,13 +1,16 @@
 """dflash-train on the peers' common work, in the peers' interface:
 
     .venv/bin/python bench/peers/ours/run.py DATA_DIR OUT_DIR [--steps N] [--seconds S] [--seed K] [--threads T]
+                                             [--offline]
 
 trains with `dflash-train train` on the target-written answers and data.limit DATA_DIR/data.json
 names (the documents the peers read as DATA_DIR/train.jsonl), configs/cpu-demo.yaml's
 recipe with the common settings (1 layer, block 8, target layer [15], mask 16, full attention,
 float32), exports to OUT_DIR/export and writes OUT_DIR/result.json. Our trainer captures the
 target's features online in the same process (cached after their first use), so the training
-time includes the target forward and feature_dump_seconds is 0.
+time includes the target forward and feature_dump_seconds is 0. --offline: as the peers do,
+`dflash-train precompute` (float32) first, its time as feature_dump_seconds (its peak RSS as
+feature_dump_peak_rss_mb), then training from the features, which loads the target's head only.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-defaults", action="store_true", help="accepted for the common interface; ours are ours")
+    ap.add_argument("--offline", action="store_true", help="precompute the features first, train from disk")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a dflash-train override on top (to A/B one of our defaults against a peer's)")
     a = ap.parse_args()
@@ -42,16 +46,34 @@ def main() -> int:
     overrides = [f"data.regenerated={data['regenerated']}", f"data.limit={data['limit']}", "model.target_layer_ids=[15]",
                  "model.mask_token_id=16", f"train.max_steps={a.steps}", f"train.seed={a.seed}",
                  f"train.max_seconds={a.seconds if a.seconds > 0 else 1e9}", "checkpoint.every_steps=100000",
-                 "checkpoint.keep_last=1", "logging.every_steps=10", *a.set]
+                 "checkpoint.keep_last=1", "logging.every_steps=10",
+                 "data.domain_prompts={}",  # the peers' documents only (the demo adds the suites' domains)
+                 *a.set]
     cmd = [str(BIN / "dflash-train"), "train", "--config", str(REPO / "configs" / "cpu-demo.yaml"),
            "--run-dir", str(run_dir), "--resume", "never", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    dump_seconds, dump_rss = 0.0, None
+    if a.offline:
+        features = out / "features"
+        pre = [str(BIN / "dflash-train"), "precompute", "--config", str(REPO / "configs" / "cpu-demo.yaml"),
+               "--out", str(features), "--dtype", "float32", *overrides]
+        t0 = time.perf_counter()
+        proc = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", str(out / "dump_rss_kb.txt"), *pre], env=env,
+                              capture_output=True, text=True)
+        dump_seconds, dump_rss = time.perf_counter() - t0, _rss_mb(out / "dump_rss_kb.txt")
+        (out / "precompute.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            sys.exit("precompute failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1])
+        # the features hold the documents: the conversations are not read again
+        overrides = [o for o in overrides if not o.startswith("data.regenerated=")] + [f"data.source=precomputed:{features}"]
+        cmd = cmd[:cmd.index("--resume") + 2] + overrides
     t0 = time.perf_counter()
     timed = ["/usr/bin/time", "-f", "%M", "-o", str(out / "rss_kb.txt")]
     proc = subprocess.run(timed + cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     (out / "train.log").write_text(proc.stdout + proc.stderr)
-    result: dict = {"peer": "dflash-train", "peer_version": _version(), "command": " ".join(cmd),
+    result: dict = {"peer": "dflash-train" + (" offline" if a.offline else ""), "peer_version": _version(),
+                    "command": " ".join(cmd),
                     "threads": a.threads, "seed": a.seed, "error": None}
     if proc.returncode != 0:
         result["error"] = (proc.stderr.strip().splitlines() or ["exit %d" % proc.returncode])[-1]
@@ -67,7 +89,8 @@ def main() -> int:
             "train_seconds": _train_seconds(steps, last_step),
             "process_seconds": wall,
             "data_prep_seconds": _data_prep_seconds(run_dir),
-            "feature_dump_seconds": 0.0,
+            "feature_dump_seconds": dump_seconds,
+            "feature_dump_peak_rss_mb": dump_rss,
             "supervised_tokens": _supervised_total(steps, last_step),
             "supervised_tokens_how": "sum over logging intervals of (anchor, block position) pairs that carried "
                                      "loss (metrics.jsonl 'supervised'), the last interval extrapolated if unlogged",
