@@ -127,7 +127,10 @@ def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:
     lf = open(log, "w")
-    return subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, text=True, env=ENV)
+    # Ctrl-C's default action, as in a terminal, also when the suite itself runs in the background
+    # (a shell starts background jobs with SIGINT ignored, and children inherit that)
+    return subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, text=True, env=ENV,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def records(out: Path) -> list[dict]:
