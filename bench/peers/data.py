@@ -36,7 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
 def write_peer_data(regenerated: Path, out: Path, config: Path, limit: int | None = None) -> dict:
     """`limit`: the first conversations of `regenerated` only (data.limit, which every trainer is
     then given: a budget smaller than the demo's needs less data, and the peers' features less disk)."""
-    overrides = [f"data.regenerated={Path(regenerated).resolve()}"] + ([f"data.limit={limit}"] if limit else [])
+    # the first `limit` conversations of the file and no more (the demo's data.domain_prompts would add theirs)
+    overrides = [f"data.regenerated={Path(regenerated).resolve()}", "data.domain_prompts={}"] + \
+        ([f"data.limit={limit}"] if limit else [])
     cfg = load_config(config, overrides)
     tok, family = load_tokenizer(cfg.target)
     fmt = ChatFormat(tok, family)
