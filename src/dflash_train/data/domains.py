@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
+import itertools
 import logging
 import re
 import textwrap
@@ -38,7 +39,6 @@ from dflash_train.errors import UserError
 
 log = logging.getLogger(__name__)
 CODE_PACKAGES = {"more_itertools": "more-itertools", "boltons": "boltons", "toolz": "toolz"}
-DOMAINS = ("code", "passages")
 MAX_STUB_CHARS = 360   # ~123 tokens with the chat format: the stub and ~70 answer tokens fit a 192-token row
 DOC_LINES = 12
 
@@ -154,16 +154,14 @@ def passage_conversations(source: str, count: int, skip: int, heldout_fraction: 
 
 def domain_conversations(domains: dict[str, int], source: str, skip: int,
                          heldout_fraction: float) -> list[Conversation]:
-    """The prompts of ``data.domain_prompts`` ({domain: count}), each domain in turn."""
+    """The prompts of ``data.domain_prompts`` ({domain: count}; the config checks the names), each
+    domain in turn."""
     out: list[Conversation] = []
     for name, count in domains.items():
         if name == "code":
-            it = code_conversations()
-            got = [c for _, c in zip(range(count), it)]
-        elif name == "passages":
-            got = list(passage_conversations(source, count, skip, heldout_fraction))
+            got = list(itertools.islice(code_conversations(), count))
         else:
-            raise DataError(f"data.domain_prompts: unknown domain {name!r}; use {', '.join(DOMAINS)}")
+            got = list(passage_conversations(source, count, skip, heldout_fraction))
         if len(got) < count:
             log.info("data.domain_prompts %s: %d prompts (%d asked; that is all the sources hold)", name, len(got), count)
         out += got
