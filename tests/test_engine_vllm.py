@@ -37,7 +37,7 @@ def train_and_export(root: Path, target: str, data: Path, steps: int, *extra: st
     run = root / "run"
     r = cli("train", "--config", str(REPO / "configs" / "cpu-demo.yaml"), "--run-dir", str(run), f"target.path={target}",
             f"data.source=jsonl:{data}", "data.limit=40", "data.max_tokens=128", f"data.cache_dir={root / 'cache'}",
-            f"train.max_steps={steps}", "train.max_seconds=600", "train.batch_size=4", "train.num_anchors=16",
+            "data.domain_prompts={}", f"train.max_steps={steps}", "train.max_seconds=600", "train.batch_size=4", "train.num_anchors=16",
             "train.lr=3e-3", "train.vocab_subset=0", "checkpoint.every_steps=1000", "logging.progress=plain", *extra)
     assert r.returncode == 0, r.stderr[-3000:]
     r = cli("export", str(run), "--out", str(root / "export"))
@@ -213,6 +213,7 @@ def test_compare_scores_variants_in_the_engine_at_one_k(tiny_llama, tmp_path):
     data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
     out = tmp_path / "ab"
     shared = [f"target.path={tiny_llama}", f"data.source=jsonl:{data}", "data.limit=40", "data.max_tokens=128",
+              "data.domain_prompts={}",  # the test's own data only (the demo config adds the suites' domains)
               "data.heldout_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=60",
               "train.max_seconds=600", "train.batch_size=4", "train.num_anchors=16", "train.lr=3e-3",
               "train.vocab_subset=0", "checkpoint.every_steps=1000", "logging.progress=plain"]
