@@ -43,6 +43,11 @@ INSTALL = {name: HERE / name / "install.sh" for name in ("speculators", "specfor
 # schedule ends about when the --seconds cap does (dflash-train: the first pass over the rows runs
 # the target, later ones read cached features)
 STEP_SECONDS = {"dflash-train": 0.46, "speculators": 2.45, "specforge": 2.24, "modelopt": 5.4}
+# the same with each peer's own defaults (--peer-defaults), measured here the same way; None: the
+# peer keeps its own horizon (speculators: 20 epochs). ModelOpt runs them at sequence length 192:
+# at its own 4,096 a step pads ~150 real tokens to 4,096 (~60 s, all of 600 s inside its warmup)
+PEER_DEFAULT_STEP_SECONDS = {"speculators": None, "specforge": 2.28, "modelopt": 2.92}
+PEER_DEFAULT_FLAGS = {"modelopt": ["--seq-len", "192"]}
 
 
 def sh(cmd: list[str], log: Path, env: dict | None = None) -> int:
@@ -70,13 +75,15 @@ def ensure_data(out: Path, limit: int) -> Path:
     return data
 
 
-def train(name: str, data: Path, run: Path, steps: int, seconds: float | None, seed: int, peer_defaults: bool,
+def train(name: str, data: Path, run: Path, steps: int | None, seconds: float | None, seed: int, peer_defaults: bool,
           reuse: list[str] | None = None) -> dict:
     """One trainer run on 1 thread; its result.json (an "error" row when it failed)."""
     if (run / "result.json").is_file():
         return json.loads((run / "result.json").read_text())
-    cmd = TRAINERS[name] + [str(data), str(run), "--seed", str(seed), "--steps", str(steps), "--threads", "1"]
-    cmd += (["--seconds", str(seconds)] if seconds else []) + (["--peer-defaults"] if peer_defaults else []) + (reuse or [])
+    cmd = TRAINERS[name] + [str(data), str(run), "--seed", str(seed), "--threads", "1"]
+    cmd += ["--steps", str(steps)] if steps else []
+    cmd += (["--seconds", str(seconds)] if seconds else [])
+    cmd += (["--peer-defaults"] + PEER_DEFAULT_FLAGS.get(name, []) if peer_defaults else []) + (reuse or [])
     rc = sh(cmd, run.parent / f"{run.name}.log", {**os.environ, "OMP_NUM_THREADS": "1"})
     if (run / "result.json").is_file():
         return json.loads((run / "result.json").read_text())
@@ -119,7 +126,8 @@ def main() -> int:
 
     def seconds_run(job):
         n, pd = job
-        steps = max(1, round(a.seconds / STEP_SECONDS[n]))
+        per_step = PEER_DEFAULT_STEP_SECONDS[n] if pd else STEP_SECONDS[n]
+        steps = max(1, round(a.seconds / per_step)) if per_step else None
         return f"{tag[job]}/seconds", train(n, data, sec_dir / tag[job], steps, a.seconds, a.seed, pd)
 
     with ThreadPoolExecutor(max(1, a.parallel)) as pool:
