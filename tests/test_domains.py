@@ -29,8 +29,9 @@ def _missing_data_packages() -> list[str]:
     return missing
 
 
-needs_data = pytest.mark.skipif(bool(_missing_data_packages()),
-                                reason=f"not installed: {_missing_data_packages()} (make install puts them in .venv)")
+MISSING_DATA_PACKAGES = _missing_data_packages()
+needs_data = pytest.mark.skipif(bool(MISSING_DATA_PACKAGES),
+                                reason=f"not installed: {MISSING_DATA_PACKAGES} (make install puts them in .venv)")
 
 
 @needs_data
