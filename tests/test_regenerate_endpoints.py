@@ -137,9 +137,25 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def wait_for_records(out: Path, n: int, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+def _engines(lines: list[bytes]) -> set[str]:
+    engines = set()
+    for line in lines:
+        try:
+            engines.add(json.loads(line)["regenerated"]["engine"])
+        except (ValueError, KeyError, TypeError):  # a line still being written
+            pass
+    return engines
+
+
+def wait_for_records(out: Path, n: int, proc: subprocess.Popen, log: Path, timeout: float = 300,
+                     engine: str | None = None) -> None:
+    """Until `out` holds n records (and, with `engine`, one answered by that endpoint)."""
+    def ready() -> bool:
+        lines = out.read_bytes().splitlines() if out.is_file() else []
+        return len(lines) >= n and (engine is None or engine in _engines(lines))
+
     end = time.monotonic() + timeout
-    while not (out.is_file() and len(out.read_bytes().splitlines()) >= n):
+    while not ready():
         assert proc.poll() is None, f"exited {proc.returncode} before {n} records: {log.read_text()[-3000:]}"
         assert time.monotonic() < end, log.read_text()[-3000:]
         time.sleep(0.05)
@@ -214,7 +230,7 @@ def test_two_servers_one_killed_mid_run_every_answer_once_and_equal_to_in_proces
     out, log = tmp_path / "regen.jsonl", tmp_path / "cli.log"
     p = start(args(target, data, out, "--endpoint", a.url, "--endpoint", b.url + "/v1", "--max-in-flight", "1"), log)
     try:
-        wait_for_records(out, 4, p, log)
+        wait_for_records(out, 4, p, log, engine=b.url)  # b has answered before it dies
         b.kill()
         assert p.wait(180) == 0, log.read_text()[-3000:]
     finally:
