@@ -93,7 +93,9 @@ def tiny_llama(tiny_target_factory) -> Path:
 
 def test_tiny_llama_dflash_ngram_plain_lossless_and_counters(tiny_llama, tmp_path):
     data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
-    export = train_and_export(tmp_path, str(tiny_llama), data, 120)
+    # 2 drafter layers: served at k 3, its drafts come from the engine's 4-token block, not the first 3 of 8;
+    # distinct target layers (the method's rule gives [1, 1] on 4 layers, which vLLM cannot serve)
+    export = train_and_export(tmp_path, str(tiny_llama), data, 120, "model.num_layers=2", "model.target_layer_ids=[1,2]")
     r = serve_bench(export, str(tiny_llama), prompts_file(tmp_path / "p.jsonl", PROMPTS), 4, 24)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)

@@ -70,7 +70,7 @@ def suite_result(raw: dict[str, Any], job: dict[str, Any], prompts: Sequence[Sui
 
 def replay_per_prompt(export_dir, target_path: str, prompt_ids, outputs, k: int, log: Log | None) -> list[list[int]]:
     """Our acceptance lengths of the export's drafter on plain vLLM's outputs, prompt by prompt
-    (masks only, the first k drafts of each block: as the engine drafts it)."""
+    (masks only, k drafts from a block of k + 1: as the engine drafts them)."""
     from dflash_train.config import TargetConfig
     from dflash_train.eval.replay import replay_acceptance
     from dflash_train.export import resolve_drafter_source

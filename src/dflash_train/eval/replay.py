@@ -33,9 +33,10 @@ __all__ = ["replay_drafts", "replay_acceptance", "walk_acceptance"]
 
 
 @torch.no_grad()
-def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int, seeded: bool | None = None) -> torch.Tensor:
-    """[T - 1 - n_prompt, bs - 1] greedy drafts at anchors n_prompt..T-2 from one training forward
-    (seeded: see `draft_everywhere`)."""
+def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int, seeded: bool | None = None,
+                  k: int | None = None) -> torch.Tensor:
+    """[T - 1 - n_prompt, k or bs - 1] greedy drafts at anchors n_prompt..T-2 from one training
+    forward (seeded: see `draft_everywhere`; k: from the block an engine drafts k tokens with)."""
     device = target.device
     seq = torch.tensor([list(output)], dtype=torch.long, device=device)
     T = seq.shape[1]
@@ -44,17 +45,17 @@ def replay_drafts(drafter, target, output: Sequence[int], n_prompt: int, seeded:
     ok = torch.zeros(1, T, dtype=torch.bool, device=device)
     ok[0, int(n_prompt):T - 1] = True
     # a drafter with a draft vocabulary drafts over it, as the engines serve it
-    return draft_everywhere(drafter, target, seq, doc, feats, ok, getattr(drafter, "draft_vocab", None),
-                            seeded=seeded)[0, int(n_prompt):T - 1]
+    drafts = draft_everywhere(drafter, target, seq, doc, feats, ok, getattr(drafter, "draft_vocab", None),
+                              seeded=seeded, block_len=drafter.cfg.served_block_len(k))
+    return drafts[0, int(n_prompt):T - 1, :k]
 
 
 def replay_acceptance(drafter, target, output: Sequence[int], n_prompt: int, seeded: bool | None = None,
                       k: int | None = None) -> list[int]:
     """Acceptance lengths the drafter gets on the target's known greedy `output` (prompt + new tokens);
-    seeded=False: a ``block_seeds: prompt_lookup`` drafter drafting from masks only; k: the first k
-    draft tokens of each block only (served with fewer than block_size - 1; the drafts still come
-    from a full block, so the figure can differ slightly from an engine's shorter block)."""
+    seeded=False: a ``block_seeds: prompt_lookup`` drafter drafting from masks only; k: k draft
+    tokens a step, from the block of k + 1 an engine builds for them (`DrafterConfig.served_block_len`)."""
     if len(output) - 1 <= n_prompt:
         return []
-    drafts = replay_drafts(drafter, target, output, n_prompt, seeded)[:, :k].tolist()
+    drafts = replay_drafts(drafter, target, output, n_prompt, seeded, k).tolist()
     return walk_acceptance(output, n_prompt, KnownDrafts(drafts, first=n_prompt))

@@ -86,14 +86,15 @@ class DrafterProposer:
     """A DFlash drafter as `decode`'s `BlockProposer`: the block ``[token at start, MASK x (bs-1)]``
     (a ``block_seeds: prompt_lookup`` drafter: the prompt-lookup proposal written over the masks,
     as in training) drafted in one forward from its context cache; DFlash 2 through its candidate
-    selector. The verify forward's features of the produced positions extend the context."""
+    selector. The verify forward's features of the produced positions extend the context.
+    k: k draft tokens a step from a block of k + 1, as an engine serving the drafter at k builds it."""
 
     needs_features = True
 
-    def __init__(self, drafter, target) -> None:
+    def __init__(self, drafter, target, k: int | None = None) -> None:
         cfg = drafter.cfg
         self.drafter, self.target = drafter, target
-        self.bs = self.max_block = int(cfg.block_size)
+        self.bs = self.max_block = (k is not None and cfg.served_block_len(k)) or int(cfg.block_size)
         self.layer_ids = list(cfg.target_layer_ids)
         self.pad_token_id = int(cfg.mask_token_id)
         self.seeded = cfg.block_seeds == "prompt_lookup"
@@ -134,12 +135,13 @@ class DrafterProposer:
         self.drafter.extend_context(self.cache, layer_features(hidden_states, self.layer_ids, produced), start)
 
 
-def speculative_generate(drafter, target, *args, **kwargs) -> tuple[torch.Tensor, list[int]]:
-    """DFlash speculative decoding: `decode` with the drafter as the proposer; the rest of the
-    arguments are decode's (input_ids, max_new_tokens, stop_token_ids, temperature, generator).
+def speculative_generate(drafter, target, *args, k: int | None = None, **kwargs) -> tuple[torch.Tensor, list[int]]:
+    """DFlash speculative decoding: `decode` with the drafter as the proposer (k: draft tokens a
+    step, default block_size - 1); the rest of the arguments are decode's (input_ids,
+    max_new_tokens, stop_token_ids, temperature, generator).
     Returns (output_ids [1, n + generated], acceptance_lengths).
 
     Greedy (temperature 0) output equals `plain_generate` token for token;
     temperature > 0 is distributed exactly as plain sampling from the target.
     """
-    return decode(target, DrafterProposer(drafter, target), *args, **kwargs)
+    return decode(target, DrafterProposer(drafter, target, k), *args, **kwargs)

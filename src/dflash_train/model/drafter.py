@@ -249,13 +249,14 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------ training
 
-    def build_masks(self, anchors, anchor_valid, document_ids, backend: str | None = None):
+    def build_masks(self, anchors, anchor_valid, document_ids, backend: str | None = None,
+                    block_len: int | None = None):
         """One mask per layer type for this step (shared by all layers of that type)."""
         if backend is None:
             backend = "flex" if anchors.is_cuda else "sdpa"
         return M.build_masks(
             self.cfg.layer_types, anchors, anchor_valid, document_ids,
-            self.cfg.block_size, self.cfg.sliding_window, backend,
+            block_len or self.cfg.block_size, self.cfg.sliding_window, backend,
         )
 
     def forward(
@@ -269,6 +270,7 @@ class DFlashDrafter(nn.Module):
         context: torch.Tensor | None = None,
         masks: dict | None = None,
         backend: str | None = None,
+        block_len: int | None = None,
     ) -> torch.Tensor:
         """Training forward over many blocks per row.
 
@@ -276,18 +278,20 @@ class DFlashDrafter(nn.Module):
         document_ids [B, T]; exactly one of features [B, T, K*H] (raw) or context
         [B, T, H] (already fused). Returns the final-normed hidden [B, A*bs, H].
         backend: "sdpa" (dense bool mask) | "flex" (BlockMask); default flex on CUDA.
+        block_len: blocks shorter than block_size (bs = block_len): what an engine serving k draft
+        tokens feeds, [token, MASK x k] (vLLM's DFlash), for replay at that k.
         """
         if (features is None) == (context is None):
             raise ValueError("pass exactly one of features= or context=")
         if context is None:
             context = self.fuse_context(features)
         B, T, _ = context.shape
-        bs = self.cfg.block_size
+        bs = block_len or self.cfg.block_size
         A = anchors.shape[1]
         if block_embeds.shape[1] != A * bs:
             raise ValueError(f"block_embeds has {block_embeds.shape[1]} tokens, expected A*bs = {A * bs}")
         if masks is None:
-            masks = self.build_masks(anchors, anchor_valid, document_ids, backend)
+            masks = self.build_masks(anchors, anchor_valid, document_ids, backend, bs)
 
         dtype = block_embeds.dtype
         q_pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).reshape(B, A * bs)

@@ -37,16 +37,19 @@ def valid_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor) -> to
 
 @torch.no_grad()
 def draft_everywhere(drafter, target, input_ids, document_ids, features, ok, vocab_subset=None,
-                     max_chunk_logits: int = 1 << 27, seeded: bool | None = None) -> torch.Tensor:
+                     max_chunk_logits: int = 1 << 27, seeded: bool | None = None,
+                     block_len: int | None = None) -> torch.Tensor:
     """[B, T, bs-1] the drafter's greedy drafts at every position where `ok` (others: -1), from
     one forward: what decoding would propose there given the same context (eval/replay.py).
+    block_len: blocks of that many tokens instead of block_size (bs = block_len), as an engine
+    drafting k = block_len - 1 tokens builds them.
 
     Full vocabulary: the target's logits, and a DFlash 2 drafter's selector path, as decoding
     drafts. With `vocab_subset`: the argmax over the subset (the loss's vocabulary).
     seeded: prompt-lookup seeds in the blocks (None: as the drafter's ``block_seeds`` says;
     False: masks only, what an engine that does not seed gives)."""
     core = unwrap(drafter)
-    bs = int(core.cfg.block_size)
+    bs = int(block_len or core.cfg.block_size)
     B, T = input_ids.shape
     A = max(1, int(ok.sum(1).max()))
     # all candidates of a row, ascending, padded with position 0 (valid False)
@@ -62,7 +65,7 @@ def draft_everywhere(drafter, target, input_ids, document_ids, features, ok, voc
         block = seed_blocks(block, input_ids, document_ids, anchors)
     dtype = core.fc.weight.dtype
     embeds = target.embed(block.view(B, A * bs)).to(dtype)
-    hidden = core(embeds, anchors, valid, document_ids, features=features.to(dtype))
+    hidden = core(embeds, anchors, valid, document_ids, features=features.to(dtype), block_len=bs)
     h = hidden.view(B * A, bs, -1)[:, 1:]  # [B*A, bs-1, H]
     first = block[:, :, 0].reshape(-1)
     selector = getattr(core, "candidate_selector", None) if vocab_subset is None else None
