@@ -64,7 +64,7 @@ def _export_cli(run: Path, out: Path) -> subprocess.CompletedProcess:
 def test_export_follows_bf16_target_and_passes_check(tmp_path, bf16_target):
     t = load_target(TargetConfig(path=str(bf16_target), device="cpu", dtype="float32"))
     assert t.serving_dtype == "bfloat16"
-    cfg = DrafterConfig.from_target(ModelConfig(num_layers=2, block_size=8), t)
+    cfg = DrafterConfig.from_target(ModelConfig(num_layers=2, block_size=8, target_layer_ids=[1, 2]), t)
     assert cfg.serving_dtype == "bfloat16" and cfg.max_position_embeddings == 40960
     assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": t.hf_config.rope_parameters["rope_theta"]}
     run = _run_with_checkpoint(tmp_path, bf16_target, cfg)
@@ -235,6 +235,20 @@ def test_gemma_scale_warns_at_export_and_in_card(tmp_path):
     assert len(w) == 1 and "SGLang" in w[0] and "vLLM" in w[0] and "UNSCALED" in w[0]
     card = model_card(cfg, {}, "gemma-target", "x")
     assert "WARNING: engine compatibility" in card and "vLLM" in card
+
+
+def test_repeated_target_layer_warns_at_export():
+    """The method's rule gives [1, 1] for 2 draft layers on a 4-layer target; vLLM captures each
+    target layer once and its engine stops on such an export (seen with vLLM 0.32): a warning."""
+    from dflash_train.export import serving_warnings
+
+    kw = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64, sliding_window=None,
+              block_size=8, mask_token_id=3, num_target_layers=4, vocab_size=128)
+    cfg = DrafterConfig(num_layers=2, layer_types=["full_attention"] * 2, target_layer_ids=[1, 1], **kw)
+    w = serving_warnings(cfg)
+    assert len(w) == 1 and "[1, 1] repeat a layer" in w[0] and "vLLM" in w[0] and "model.target_layer_ids" in w[0]
+    cfg = DrafterConfig(num_layers=2, layer_types=["full_attention"] * 2, target_layer_ids=[1, 2], **kw)
+    assert serving_warnings(cfg) == []
 
 
 @pytest.mark.parametrize("rope", [

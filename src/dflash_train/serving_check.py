@@ -175,6 +175,10 @@ def check_config(c: dict[str, Any], target: dict[str, Any] | None) -> tuple[list
         P.append(f"dflash_config.target_layer_ids is {ids!r}, not a non-empty list of integers")
     elif _is_int(ntl) and any(not 0 <= i < ntl for i in ids):
         P.append(f"dflash_config.target_layer_ids {ids} outside 0..{ntl - 1}")
+    elif len(set(ids)) < len(ids):  # the method's rule gives [1, 1] for 2 draft layers on a 4-layer target
+        W.append(f"dflash_config.target_layer_ids {ids} repeat a layer: vLLM captures each target layer once, "
+                 "so its fc gets fewer features than it takes and the engine stops (vLLM 0.32); "
+                 "train with distinct model.target_layer_ids")
     dv = c.get("draft_vocab_size")
     if dv is not None and (not _is_int(dv) or not 0 < dv <= c["vocab_size"]):
         P.append(f"draft_vocab_size is {dv!r}, not an integer in 1..vocab_size ({c['vocab_size']})")
