@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from dflash_train.model.drafter_config import DrafterConfig
+
 
 @torch.no_grad()
 def bias_target_towards(target, token: int, alpha: float, anti: float = 0.0, seed: int = 0) -> None:
@@ -49,6 +51,8 @@ class _OracleCfg:
     target_layer_ids: list[int]
     mask_token_id: int
     block_seeds: str = "none"
+    architecture: str = "dflash"
+    served_block_len = DrafterConfig.served_block_len  # the real rule, not a copy
 
 
 @dataclass

@@ -94,7 +94,7 @@ class DrafterProposer:
     def __init__(self, drafter, target, k: int | None = None) -> None:
         cfg = drafter.cfg
         self.drafter, self.target = drafter, target
-        self.bs = self.max_block = (k is not None and cfg.served_block_len(k)) or int(cfg.block_size)
+        self.bs = self.max_block = cfg.served_block_len(k) or int(cfg.block_size)
         self.layer_ids = list(cfg.target_layer_ids)
         self.pad_token_id = int(cfg.mask_token_id)
         self.seeded = cfg.block_seeds == "prompt_lookup"
