@@ -18,7 +18,7 @@ def test_bench_step_and_trainer_step_give_the_same_update(train_setup, tmp_path,
     seen: dict = {}
     real_call = TrainStep.__call__
 
-    def recording_call(self, next_batch, on_policy=False):
+    def recording_call(self, next_batch, on_policy=False, **kw):
         if not seen:  # the Trainer's first step: what went in and what came out
             seen.update(drafter=copy.deepcopy(self.drafter), gen=self.anchor_gen.get_state(), batches=[],
                         target=self.target, cfg=self.cfg, anchors=self.num_anchors)
@@ -28,10 +28,10 @@ def test_bench_step_and_trainer_step_give_the_same_update(train_setup, tmp_path,
                 seen["batches"].append(b)
                 return b
 
-            res = real_call(self, taken, on_policy)
+            res = real_call(self, taken, on_policy, **kw)
             seen["after"] = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
             return res
-        return real_call(self, next_batch, on_policy)
+        return real_call(self, next_batch, on_policy, **kw)
 
     monkeypatch.setattr(TrainStep, "__call__", recording_call)
     # two micro-batches: the update depends on the one normalisation over the whole step

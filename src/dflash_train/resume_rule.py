@@ -21,7 +21,8 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     # recomputed with the new values from the first step after the resume
     "train.lr", "train.min_lr_ratio", "train.warmup_fraction",
     # placement / speed only
-    "train.device", "train.compile", "train.loss_chunk_blocks", "target.device",
+    "train.device", "train.compile", "train.activation_checkpointing", "train.loss_chunk_blocks",
+    "target.device",
     # which positions anchor the blocks: an on-policy phase may follow a uniform one
     "train.anchors", "train.on_policy_start",
     "data.cache_dir", "data.num_workers",

@@ -5,7 +5,7 @@ order, the prepared-data cache (`prepare-data`) and `regenerate`.
 Trainer entry points: `load_prepared(cfg, tokenizer, family) -> PreparedData`
 and `DataOrder(num_rows, seed)`.
 """
-from dflash_train.data.order import DataOrder
+from dflash_train.data.order import DataOrder, RankSlice
 from dflash_train.data.packing import Document, cut_document, pack_documents
 from dflash_train.data.prepare import PreparedData, build_prepared, load_prepared, read_prepared
 from dflash_train.data.sources import Conversation, DataError, heldout_score, is_heldout, read_conversations
@@ -18,6 +18,7 @@ __all__ = [
     "DataOrder",
     "Document",
     "PreparedData",
+    "RankSlice",
     "TemplateMismatch",
     "build_prepared",
     "cut_document",

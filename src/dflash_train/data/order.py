@@ -74,3 +74,26 @@ class DataOrder:
 
     def __repr__(self) -> str:
         return f"DataOrder(num_rows={self.num_rows}, seed={self.seed}, state={self.state_dict()})"
+
+
+class RankSlice:
+    """One rank's share of a global `DataOrder` (the colocated layout): each batch of n rows is
+    slice [rank*n, (rank+1)*n) of the next world*n positions, so W ranks with batch n see exactly
+    the rows one process with batch W*n sees, and every rank holds the same order state."""
+
+    def __init__(self, order: DataOrder, rank: int, world: int) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} outside a world of {world}")
+        self.order, self.rank, self.world = order, rank, world
+
+    def next_positions(self, n: int) -> list[int]:
+        return self.order.next_positions(n * self.world)[self.rank * n:(self.rank + 1) * n]
+
+    def rows_for(self, positions: list[int]) -> list[int]:
+        return self.order.rows_for(positions)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.order.load_state_dict(state)

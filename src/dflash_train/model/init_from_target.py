@@ -85,3 +85,13 @@ def init_layers_from_target(drafter: nn.Module, target_layers: Sequence[nn.Modul
             how = "q/k norms 1"
         report.append(f"target layer {t_id} ({how})")
     return report
+
+
+def init_from_target(drafter: nn.Module, target, model_cfg) -> list[str]:
+    """model.init_from_target_layers: copy target layers into a fresh drafter (a resume then loads the
+    checkpoint over them); the names of what was copied. InitFromTargetError when it cannot be done."""
+    layers = getattr(target, "layers", None)  # a head-only target (embedding + lm_head) has none
+    if layers is None:
+        raise InitFromTargetError("model.init_from_target_layers needs the target's decoder layers on the trainer; "
+                                  "this trainer rank holds the embedding and lm_head only (pipeline.layout=split)")
+    return init_layers_from_target(drafter, layers, model_cfg.init_from_target_layers, model_cfg.init_qk_norm)

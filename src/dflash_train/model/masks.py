@@ -88,8 +88,10 @@ def dflash_mask_mod(
         if sliding:
             ctx = ctx & (a + k - kv_idx < W)
 
-        # block part: own block only (by anchor index), padding sees itself only
-        j = torch.clamp(kv_idx - T, min=0)
+        # block part: own block only (by anchor index), padding sees itself only. j < 0 on
+        # context keys gives a negative blk2 (never own); no clamp: it indexes nothing, and
+        # inductor fails on a clamp followed by // when compiling create_block_mask (torch 2.13)
+        j = kv_idx - T
         blk2 = j // bs
         k2 = j % bs
         own = (~is_ctx) & (blk2 == blk)

@@ -25,7 +25,3 @@ class TrainBatch:
             list(self.positions),
             dict(self.order_state),
         )
-
-    @property
-    def num_tokens(self) -> int:
-        return int((self.document_ids >= 0).sum())

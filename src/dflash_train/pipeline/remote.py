@@ -1,9 +1,12 @@
-"""Batches across processes under torchrun: the trainer's stream of batches from its target
-rank (`RemotePipeline`), the target ranks' serving loop (`serve_target_rank`), the target a
-trainer rank loads, and `trainer_pipeline`, which picks the in-process pipeline or the remote one.
+"""Batches under torchrun: `trainer_pipeline` picks this rank's stream of batches (the in-process
+pipeline of a single process or a colocated rank, or a split trainer's `RemotePipeline`), the
+split layout's target ranks' serving loop (`serve_target_rank`), and the target a trainer loads.
 Process groups and roles come from train/distributed.py's DistContext, passed in.
 
-Wire protocol (torch.distributed point-to-point on the world group):
+Wire protocol of the split layout (point-to-point on `ctx.wire_group`, a gloo group: host tensors,
+so an NCCL world never sees them; the target's postprocess thread copies features to pinned host
+memory off the target's path, and the trainer receives into pinned buffers that reach its GPU
+with a non-blocking copy):
   trainer -> target  request: int64[2] = [cmd (1 next, 0 stop), n] + uint8[n] JSON
                      (the first request carries the data-order state to resume from)
   target -> trainer  header: int64[4] = [B, T, F, n] then input_ids int64[B,T],
@@ -25,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dflash_train.data import DataOrder, load_prepared
+from dflash_train.data import DataOrder, RankSlice, load_prepared
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
 from dflash_train.pipeline.batch import TrainBatch
@@ -46,21 +49,25 @@ def capture_ids(cfg, layer_ids, target) -> list[int]:
 
 
 def load_trainer_target(ctx, cfg, device: torch.device, tokenizer):
-    """The target a trainer rank needs: the embedding, lm_head and final norm only when it never
-    runs the decoder - under torchrun (the target ranks capture), or alone on precomputed
-    features - except where the in-training eval runs (speculative decoding needs the whole
-    target); otherwise the whole model (it captures)."""
+    """The target a trainer rank needs: the whole model where it captures (a single process or a
+    colocated rank on an online source) or runs the in-training eval (speculative decoding needs
+    the whole target); otherwise the embedding, lm_head and final norm only (a split layout's
+    trainer, or precomputed features)."""
     offline = cfg.data.source.startswith(PRECOMPUTED)
-    if (ctx.distributed or offline) and not (ctx.is_leader and cfg.eval.every_steps):
+    captures = ctx.colocated and not offline
+    if not captures and not (ctx.is_leader and cfg.eval.every_steps):
         return load_head_only_target(cfg.target, device, tokenizer)
     return load_target(cfg.target, device=device, tokenizer=tokenizer)
 
 
 def trainer_pipeline(ctx, cfg, data, target, drafter_layer_ids, order_state: dict, device: torch.device):
     """The trainer's stream of batches: the in-process pipeline over `data` (pipeline/training_data.py:
-    captured by `target`, or its precomputed features), or, under torchrun, its target rank's batches."""
-    if not ctx.distributed:
+    captured by `target`, or its precomputed features) - a colocated rank over its slice of every
+    global batch -, or, in the split layout, its target rank's batches."""
+    if ctx.colocated:
         order = DataOrder(len(data.rows[0]), cfg.train.seed)
+        if ctx.distributed:
+            order = RankSlice(order, ctx.trainer_index, ctx.num_trainers)
         if order_state:
             order.load_state_dict(order_state)
         if data.precomputed is not None:
@@ -74,27 +81,29 @@ def trainer_pipeline(ctx, cfg, data, target, drafter_layer_ids, order_state: dic
     return RemotePipeline(ctx, device, target.dtype, resume_state).start()
 
 
-def _send_bytes(obj, dst: int, cmd: int) -> None:
+def _send_bytes(obj, dst: int, cmd: int, group) -> None:
     data = json.dumps(obj).encode() if obj is not None else b""
-    dist.send(torch.tensor([cmd, len(data)], dtype=torch.int64), dst)
+    dist.send(torch.tensor([cmd, len(data)], dtype=torch.int64), dst, group=group)
     if data:
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=group)
 
 
-def _recv_bytes(src: int, n: int):
+def _recv_bytes(src: int, n: int, group):
     buf = torch.empty(n, dtype=torch.uint8)
-    dist.recv(buf, src)
+    dist.recv(buf, src, group=group)
     return json.loads(bytes(buf.tolist()).decode())
 
 
 class RemotePipeline:
-    """Trainer-side stand-in for `Pipeline`: a thread requests batches from the
-    target rank and keeps up to queue_depth of them ready (gloo: CPU tensors)."""
+    """Trainer-side stand-in for `Pipeline`: a thread requests batches from the target rank
+    and keeps up to queue_depth of them ready, in pinned host memory when the trainer is on a GPU."""
 
     def __init__(self, ctx, device: torch.device, feature_dtype: torch.dtype, resume_state) -> None:
         self.ctx = ctx
+        self.wire = ctx.wire_group
         self.src = ctx.leader_of(ctx.target_for(ctx.trainer_index))
         self.device = device
+        self.pin = device.type == "cuda"
         self.feature_dtype = feature_dtype
         self.stats = StageStats()
         self.q: queue.Queue = queue.Queue(maxsize=ctx.cfg.pipeline.queue_depth)
@@ -107,20 +116,23 @@ class RemotePipeline:
         self._thread.start()
         return self
 
+    def _recv(self, *shape, dtype) -> torch.Tensor:
+        buf = torch.empty(*shape, dtype=dtype, pin_memory=self.pin)
+        dist.recv(buf, self.src, group=self.wire)
+        return buf
+
     def _loop(self) -> None:
         first = True
         try:
             while not self._stop.is_set():
-                _send_bytes({"resume": self._resume_state} if first else None, self.src, 1)
+                _send_bytes({"resume": self._resume_state} if first else None, self.src, 1, self.wire)
                 first = False
-                header = torch.empty(4, dtype=torch.int64)
-                dist.recv(header, self.src)
-                b, t, f, n = header.tolist()
-                ids = torch.empty(b, t, dtype=torch.int64); dist.recv(ids, self.src)
-                mask = torch.empty(b, t, dtype=torch.uint8); dist.recv(mask, self.src)
-                docs = torch.empty(b, t, dtype=torch.int32); dist.recv(docs, self.src)
-                feats = torch.empty(b, t, f, dtype=self.feature_dtype); dist.recv(feats, self.src)
-                meta = _recv_bytes(self.src, n)
+                b, t, f, n = self._recv(4, dtype=torch.int64).tolist()
+                ids = self._recv(b, t, dtype=torch.int64)
+                mask = self._recv(b, t, dtype=torch.uint8)
+                docs = self._recv(b, t, dtype=torch.int32)
+                feats = self._recv(b, t, f, dtype=self.feature_dtype)
+                meta = _recv_bytes(self.src, n, self.wire)
                 batch = TrainBatch(ids, mask.bool(), docs, feats, meta["positions"], meta["order_state"])
                 while not self._stop.is_set():
                     try:
@@ -132,7 +144,7 @@ class RemotePipeline:
             self._error = e
         finally:
             try:
-                _send_bytes(None, self.src, 0)  # tell the target rank this trainer is done
+                _send_bytes(None, self.src, 0, self.wire)  # tell the target rank this trainer is done
             except Exception:  # noqa: BLE001
                 pass
 
@@ -189,15 +201,17 @@ def serve_target_rank(cfg, ctx) -> int:
     log.info("target rank %d: %d rows, serving trainer ranks %s", ctx.rank, len(rows[0]), my_trainers)
 
     # the first request of the first trainer carries the resume state
+    wire = ctx.wire_group
     pending_first: dict[int, tuple[int, int]] = {}
     for r in my_trainers:
         hdr = torch.empty(2, dtype=torch.int64)
-        dist.recv(hdr, r)
+        dist.recv(hdr, r, group=wire)
         pending_first[r] = (int(hdr[0]), int(hdr[1]))
-    first_meta = _recv_bytes(my_trainers[0], pending_first[my_trainers[0]][1]) if pending_first[my_trainers[0]][1] else {}
+    first_n = pending_first[my_trainers[0]][1]
+    first_meta = _recv_bytes(my_trainers[0], first_n, wire) if first_n else {}
     for r in my_trainers[1:]:
         if pending_first[r][1]:
-            _recv_bytes(r, pending_first[r][1])
+            _recv_bytes(r, pending_first[r][1], wire)
     order = DataOrder(len(rows[0]), cfg.train.seed + 7919 * t)
     if first_meta.get("resume"):
         order.load_state_dict(first_meta["resume"])
@@ -205,7 +219,8 @@ def serve_target_rank(cfg, ctx) -> int:
     if group is not None:
         target = GroupLeaderTarget(target, group, ctx.rank)
     source = TargetBatchSource(rows, order, target, ids, cfg.train.batch_size, cfg.pipeline.cache_features)
-    pipe = Pipeline(source, cfg.pipeline.queue_depth, torch.device("cpu") if device.type == "cpu" else device,
+    # the queue holds batches on the host: the wire is gloo (pinned copies, pipeline/stages.py)
+    pipe = Pipeline(source, cfg.pipeline.queue_depth, torch.device("cpu"),
                     num_workers=cfg.pipeline.num_target_workers).start()
     active = {r: pending_first[r][0] == 1 for r in my_trainers}
     first_round = True
@@ -216,21 +231,19 @@ def serve_target_rank(cfg, ctx) -> int:
                     continue
                 if not first_round:
                     hdr = torch.empty(2, dtype=torch.int64)
-                    dist.recv(hdr, r)
+                    dist.recv(hdr, r, group=wire)
                     if int(hdr[1]):
-                        _recv_bytes(r, int(hdr[1]))
+                        _recv_bytes(r, int(hdr[1]), wire)
                     if int(hdr[0]) == 0:
                         active[r] = False
                         continue
                 batch = pipe.get()
                 b, tt = batch.input_ids.shape
                 meta = json.dumps({"positions": batch.positions, "order_state": batch.order_state}).encode()
-                dist.send(torch.tensor([b, tt, batch.features.shape[-1], len(meta)], dtype=torch.int64), r)
-                dist.send(batch.input_ids.contiguous(), r)
-                dist.send(batch.loss_mask.to(torch.uint8).contiguous(), r)
-                dist.send(batch.document_ids.to(torch.int32).contiguous(), r)
-                dist.send(batch.features.contiguous(), r)
-                dist.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), r)
+                for part in (torch.tensor([b, tt, batch.features.shape[-1], len(meta)], dtype=torch.int64),
+                             batch.input_ids, batch.loss_mask.to(torch.uint8), batch.document_ids.to(torch.int32),
+                             batch.features, torch.frombuffer(bytearray(meta), dtype=torch.uint8)):
+                    dist.send(part.contiguous(), r, group=wire)
             first_round = False
     finally:
         pipe.close()

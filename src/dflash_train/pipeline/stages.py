@@ -253,8 +253,11 @@ class Pipeline:
         pending: dict[int, _Raw] = {}
         want = 0
         copy_stream = None
-        if self.trainer_device.type == "cuda":
-            copy_stream = torch.cuda.Stream(self.trainer_device)
+        src_dev = getattr(self.source, "device", torch.device("cpu"))  # where the target's batches appear
+        for dev in (self.trainer_device, src_dev):
+            if isinstance(dev, torch.device) and dev.type == "cuda":
+                copy_stream = torch.cuda.Stream(dev)
+                break
         try:
             while not self._stop.is_set():
                 t0 = time.perf_counter()
@@ -301,14 +304,24 @@ class Pipeline:
                 ready = torch.cuda.Event()
                 ready.record(copy_stream)
             return moved, ready
-        # trainer on CPU: device-to-host copy, synchronous on this thread (off the target's path)
+        # trainer (or the split layout's gloo wire) on the host: the device-to-host copy, into pinned
+        # memory, finished on this thread (off the target's path) before anyone reads the batch
         if raw.ready is not None:
             raw.ready.synchronize()
-        return _move(batch, dst, pin=False), None
+        if src.type != "cuda":
+            return _move(batch, dst, pin=False), None
+        with torch.cuda.stream(copy_stream):
+            moved = _move(batch, dst, pin=True)
+        copy_stream.synchronize()
+        return moved, None
 
 
 def _move(batch: TrainBatch, device: torch.device, pin: bool) -> TrainBatch:
+    """`pin`: host tensors go through pinned memory (host to device), or land in it (device to host)."""
     def mv(t: torch.Tensor) -> torch.Tensor:
+        if pin and t.is_cuda and device.type == "cpu":
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
         if pin and t.device.type == "cpu":
             t = t.pin_memory()
         return t.to(device, non_blocking=True)

@@ -36,13 +36,14 @@ class TrainingData:
 
 
 def open_training_data(cfg, load_target: Callable[[Any], Target], given_target: Target | None = None,
-                       distributed: bool = False) -> tuple[TrainingData, Target]:
+                       split: bool = False) -> tuple[TrainingData, Target]:
     """(the training rows, the target) for `cfg`. `load_target(tokenizer or None)`: the caller's way
     to load the target (the whole model, or the head-only one of a trainer rank); `given_target`: one
-    already loaded (the demo), used instead."""
+    already loaded (the demo), used instead. `split`: a split layout's trainer (its batches come from the
+    target ranks)."""
     if cfg.data.source.startswith(PRECOMPUTED):
         target = given_target or load_target(None)
-        return open_precomputed(cfg, cfg.data.source[len(PRECOMPUTED):], target, distributed), target
+        return open_precomputed(cfg, cfg.data.source[len(PRECOMPUTED):], target, split), target
     if given_target is not None:
         tokenizer, family = given_target.tokenizer, given_target.family
     else:
@@ -53,7 +54,7 @@ def open_training_data(cfg, load_target: Callable[[Any], Target], given_target: 
     return data, given_target or load_target(tokenizer)
 
 
-def open_precomputed(cfg, path: str, target: Target, distributed: bool = False) -> TrainingData:
+def open_precomputed(cfg, path: str, target: Target, split: bool = False) -> TrainingData:
     """The features under `path`, checked against the target and the drafter/objective of `cfg`."""
     pre = PrecomputedFeatures(Path(path))
     drafter_ids = list(DrafterConfig.from_target(cfg.model, target).target_layer_ids)
@@ -73,9 +74,9 @@ def open_precomputed(cfg, path: str, target: Target, distributed: bool = False) 
     if pre.index["hidden_size"] != target.hidden_size:
         raise PrecomputeError(f"{path} was captured from a target with hidden size {pre.index['hidden_size']}, "
                               f"not {target.hidden_size}")
-    if distributed:
-        raise PrecomputeError("precomputed features are read by single-process training; "
-                              "under torchrun use pipeline.target_ranks with an online source")
+    if split:
+        raise PrecomputeError("precomputed features are read by the trainers themselves: under torchrun use "
+                              "pipeline.layout=colocated (or pipeline.layout=split with an online source)")
     stats = dict(pre.index.get("data_stats", {}), source=f"precomputed:{path}", rows=len(pre.input_ids))
     data = TrainingData(pre.input_ids, pre.loss_mask, pre.document_ids, pre.heldout(), stats, precomputed=pre)
     log.info("data: %s", data.stats)

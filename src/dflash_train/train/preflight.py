@@ -5,6 +5,7 @@ the devices, the data paths, the target's files and the drafter's fit to the tar
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from dflash_train.checkpoint import (
 )
 from dflash_train.config import ConfigError, RunConfig, read_run_config
 from dflash_train.errors import UserError
+from dflash_train.pipeline.layout import check_layout
 from dflash_train.resume_rule import check_resume_config
 from dflash_train.rundir import RunDir, RunDirBusy, check_not_busy
 from dflash_train.targets import check_target_files
@@ -66,13 +68,14 @@ def refuse_busy(run_dir: Path) -> None:
 
 
 def preflight(cfg: RunConfig, run_dir: Path, resume_arg: str, check_target: bool) -> ResumePlan:
-    """Everything that can be checked before loading data or the target: devices, the checkpoint
+    """Everything that can be checked before loading data or the target: devices, the layout, the checkpoint
     to resume from and the resume rule, data paths, and (`check_target`: no target was given)
     the target's files, layer ids / mask token against the target's config.json."""
     for key, dev in (("train.device", cfg.train.device), ("target.device", cfg.target.device)):
         if dev == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"{key}=cuda but no CUDA GPU is available here (torch.cuda.is_available() is "
                               f"False); use {key}=auto or cpu")
+    check_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     plan = ResumePlan(choose_checkpoint(run_dir, resume_arg))
     if plan.path is not None:
         old = recorded_config(run_dir, plan.path)

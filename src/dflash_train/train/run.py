@@ -26,13 +26,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_train.checkpoint import CheckpointError, CheckpointManager, CheckpointWriteError, load_checkpoint
+from dflash_train.checkpoint import (CheckpointError, CheckpointManager, CheckpointWriteError, FollowerCheckpoints,
+                                     load_checkpoint)
 from dflash_train.config import ConfigError, RunConfig, save_config
 from dflash_train.control.signals import AbortRun, StopController, grace_warning
 from dflash_train.errors import UserError
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.model.drafter import DrafterConfig
-from dflash_train.model.init_from_target import InitFromTargetError, init_layers_from_target
+from dflash_train.model.init_from_target import InitFromTargetError, init_from_target
+from dflash_train.pipeline.layout import advice as layout_advice
+from dflash_train.pipeline.layout import check_memory
 from dflash_train.pipeline.remote import load_trainer_target, serve_target_rank, trainer_pipeline
 from dflash_train.pipeline.training_data import open_training_data
 from dflash_train.rundir import BEST, RunDir, RunDirBusy, RunRecord, step_dir_name
@@ -51,7 +54,8 @@ from dflash_train.train.preflight import (
     refuse_busy,
 )
 from dflash_train.train.resume import apply_schedule_changes, drafter_mismatch, keep_fresh_start_aside, settle_timeline
-from dflash_train.train.state import TrainState, check_recipe, checkpoint_payload, recipe_of, restore_payload
+from dflash_train.train.state import (TrainState, check_recipe, checkpoint_meta, checkpoint_payload, recipe_of,
+                                     restore_payload)
 from dflash_train.train.step import TrainStep
 from dflash_train.train.vocab_subset import vocab_subset_from_rows
 from dflash_train.utils import code_version, resolve_device
@@ -121,6 +125,7 @@ class Trainer:
         self.evals = InTrainingEval(cfg, evaluator, ctx.is_leader)
         self.faults = RunFaults()
         self._metrics: MetricsLogger | None = None
+        self._logged = 0  # logging intervals so far
 
     # ------------------------------------------------------------------ set-up
     def _setup_logging(self) -> None:
@@ -164,7 +169,8 @@ class Trainer:
         cfg = self.cfg
         self.device = self.ctx.trainer_device(resolve_device(cfg.train.device))
         seed_everything(cfg.train.seed)
-        self.data, self.target = open_training_data(cfg, self._load_target, self._given_target, self.ctx.distributed)
+        self.data, self.target = open_training_data(cfg, self._load_target, self._given_target,
+                                                    split=not self.ctx.colocated)
         if self._given_target is not None:
             self._log_target(self.target, 0.0)
         self._cap_anchors(int(self.data.input_ids.shape[1]))
@@ -178,9 +184,17 @@ class Trainer:
         self.drafter = build_drafter(self.drafter_cfg, seed=cfg.train.seed)
         if self.drafter_cfg.draft_vocab_size:
             self.drafter.draft_vocab.copy_(self.vocab_subset)
-        self.drafter = self.drafter.to(self.device)
-        self._init_from_target()
         n_params = sum(p.numel() for p in self.drafter.parameters())
+        if self.device.type == "cuda":  # weights + grads + AdamW beside the target, before they are allocated
+            shards = self.ctx.num_trainers if cfg.train.sharding == "fsdp2" else 1
+            check_memory(torch.cuda.mem_get_info(self.device)[0], n_params // shards, str(self.device))
+        self.drafter = self.drafter.to(self.device)
+        if cfg.model.init_from_target_layers is not None:
+            try:
+                got = init_from_target(self.drafter, self.target, cfg.model)
+            except InitFromTargetError as e:
+                raise TrainError(str(e)) from None
+            log.info("drafter layers initialised from %s", ", ".join(got))
         log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d, mask token %d",
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
                  self.drafter_cfg.block_size, self.drafter_cfg.mask_token_id)
@@ -189,10 +203,6 @@ class Trainer:
             self.vocab_subset = self.vocab_subset.to(self.device)
         # wrap before the optimizer exists: FSDP2 replaces the parameters with sharded ones
         self.model = self.ctx.wrap_model(self.drafter)
-        if self.ctx.fsdp and cfg.eval.every_steps:
-            # the leader alone would run the sharded drafter's forward: its collectives would hang
-            raise TrainError("eval.every_steps with train.sharding=fsdp2 is not supported yet: set eval.every_steps=0 "
-                             "and run `dflash-train eval` on the checkpoints")
         self.anchor_gen = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1_000_003 * self.ctx.trainer_index)
         self.step = TrainStep.build(self.drafter, self.target, cfg.train, self.num_anchors, self.anchor_gen,
                                     self.vocab_subset, self.ctx, model=self.model)
@@ -202,22 +212,6 @@ class Trainer:
             # around the layers is data-dependent and stays eager; parameter names are unchanged
             for layer in self.drafter.layers:
                 layer.compile()
-
-    def _init_from_target(self) -> None:
-        """model.init_from_target_layers: copy target layers into the drafter (a resume then loads
-        the checkpoint over them, so the copy only matters for a fresh start)."""
-        ids = self.cfg.model.init_from_target_layers
-        if ids is None:
-            return
-        layers = getattr(self.target, "layers", None)
-        if layers is None:
-            raise TrainError("model.init_from_target_layers needs the target's decoder layers on the trainer; this "
-                             "trainer rank holds the embedding and lm_head only (torchrun with target ranks)")
-        try:
-            got = init_layers_from_target(self.drafter, layers, ids, self.cfg.model.init_qk_norm)
-        except InitFromTargetError as e:
-            raise TrainError(str(e)) from None
-        log.info("drafter layers initialised from %s", ", ".join(got))
 
     def _cap_anchors(self, row_len: int) -> None:
         """A row of T tokens has at most T-1 anchor positions: more anchors only add
@@ -236,17 +230,7 @@ class Trainer:
     def _checkpoint_payload(self) -> tuple[dict, dict, dict]:
         tensors, objects = checkpoint_payload(self.drafter, self.optimizer, self.scheduler, self.state, self.ctx,
                                               self._rng_generators(), recipe_of(self.cfg.train))
-        meta = {
-            "step": self.state.step,
-            "config_hash": self.cfg.hash(),
-            "config": self.cfg.to_dict(),  # the full resolved config: what the resume rule compares against
-            "code_version": code_version(),
-            "drafter_config": self.drafter_cfg.to_dict(),
-            "target_path": self.cfg.target.path,
-            "tokens": self.state.tokens,
-            "world_size": self.ctx.world_size,
-        }
-        return tensors, objects, meta
+        return tensors, objects, checkpoint_meta(self.state, self.cfg, self.drafter_cfg, self.ctx.world_size)
 
     def _resume(self) -> None:
         path = self.plan.path  # chosen and verified by preflight
@@ -298,7 +282,7 @@ class Trainer:
                     on_commit=self._on_commit,
                 )
             else:
-                self.ckpt = _FollowerCheckpoints()
+                self.ckpt = FollowerCheckpoints()
             stopper.set_on_abandon(self.ckpt.abandon)
             if self.record is not None:  # resumed_step: what deploy's health check reads (0: a fresh start)
                 self.faults.view(self.record.path, self.record.update, step=self.state.step,
@@ -326,7 +310,7 @@ class Trainer:
             self.faults.view(self.record.path, self.record.update, last_checkpoint=Path(path).name)
 
     def _last_ckpt_name(self) -> str | None:
-        step = getattr(self.ckpt, "last_committed_step", None) if self.ckpt else None
+        step = self.ckpt.last_committed_step if self.ckpt else None
         return step_dir_name(step) if step is not None else None
 
     def _save(self, reason: str) -> None:
@@ -366,9 +350,12 @@ class Trainer:
         pipe = self._pipeline()
         interval = IntervalMeter(self.drafter_cfg.block_size, self.device)
         t_start, stop_reason, self._step_times, self._last_saved = time.time(), None, [], self.state.step
+        wants_stop = self._wants_stop(stopper, t_start)
+        voted = self.ctx.agree_stop(wants_stop())  # a stop asked for during set-up, agreed before step 1
         try:
-            while (stop_reason := self._stop_reason(stopper, t_start)) is None:
-                res = self.step(pipe.get, on_policy=self._on_policy_step())
+            while (stop_reason := self._stop_reason(stopper, t_start, voted)) is None:
+                res = self.step(pipe.get, on_policy=self._on_policy_step(), stop_vote=wants_stop)
+                voted = res.stop
                 self._account(res, interval, pipe.stats)
                 metrics.advance(self.state.step)
                 give_up = self.state.consecutive_skips >= self.cfg.train.max_consecutive_skips
@@ -392,13 +379,21 @@ class Trainer:
             raise self.faults.final_error(self.state.step, self._last_ckpt_name())
         return 1 if stop_reason == "non-finite" else 0
 
-    def _stop_reason(self, stopper, t_start: float) -> str | None:
-        """At a step boundary every rank agrees to stop at the same step (a collective: every rank calls it)."""
+    def _wants_stop(self, stopper, t_start: float):
+        """This rank's stop vote, asked at the end of each step: a signal, the time budget, or a
+        failed checkpoint write (train/faults.py)."""
+        def vote() -> bool:
+            t = self.cfg.train
+            faulty = not self._checkpoints_ok()
+            return faulty or stopper.stop_requested or (t.max_seconds > 0 and time.time() - t_start >= t.max_seconds)
+        return vote
+
+    def _stop_reason(self, stopper, t_start: float, voted: bool) -> str | None:
+        """At a step boundary: every rank stops after the same step. `voted`: some rank voted to stop
+        during the last step (the vote rides on the step's all-reduce); alone, the vote is asked now."""
         t = self.cfg.train
-        faulty = not self._checkpoints_ok()  # a failed checkpoint write ends the run (train/faults.py)
-        local_stop = faulty or stopper.stop_requested or (t.max_seconds > 0 and time.time() - t_start >= t.max_seconds)
-        if self.ctx.agree_stop(local_stop):
-            if faulty:
+        if voted or (not self.ctx.distributed and self._wants_stop(stopper, t_start)()):
+            if self.faults.fatal is not None:
                 return "storage fault"
             return stopper.signal_name or ("time budget" if t.max_seconds else "peer rank")
         return "max_steps" if self.state.step >= t.max_steps else None
@@ -429,6 +424,11 @@ class Trainer:
                               self.state.tokens, self.state.skipped_total)
         rec.update(stats.snapshot_and_reset())
         metrics.log(rec)
+        self._logged += 1
+        if self.is_leader and self._logged == 2:  # past warm-up: the layout rule with this run's rates
+            gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "8"))
+            if line := layout_advice(rec, self.ctx.colocated, self.ctx.num_trainers, gpus):
+                log.info("%s", line)
         if self.record is not None:
             self.faults.view(self.record.path, self.record.update, step=self.state.step,
                              tokens_per_s=rec["tokens_per_s"], loss=rec["loss"])
@@ -447,13 +447,11 @@ class Trainer:
                 self._grace_check(self._step_times)
 
     def _grace_check(self, step_times: list[float]) -> None:
-        step_s = float(np.median(step_times[-20:]))
-        last = getattr(self.ckpt, "last_stats", None)
-        save_s = last.total_seconds if last is not None else 0.0
-        msg = grace_warning(step_s, save_s, self.cfg.checkpoint.grace_seconds)
+        last = self.ckpt.last_stats
+        step_s, save_s = float(np.median(step_times[-20:])), last.total_seconds if last is not None else 0.0
         log.info("timing: step %.3fs, checkpoint snapshot %.3fs, grace %.0fs", step_s, save_s,
                  self.cfg.checkpoint.grace_seconds)
-        if msg:
+        if msg := grace_warning(step_s, save_s, self.cfg.checkpoint.grace_seconds):
             log.warning(msg)
 
     def _in_training_eval(self, metrics) -> None:
@@ -474,26 +472,3 @@ class Trainer:
                     self.ckpt.mark_best(self.state.step)
             except StorageError as e:
                 self.faults.stop_with(e)
-
-
-class _FollowerCheckpoints:
-    """Trainer ranks other than the leader take part in the collectives of a
-    save but write nothing."""
-
-    last_committed_step = None
-    last_stats = None
-
-    def save(self, *a, **k) -> None:
-        pass
-
-    def wait(self, *a, **k) -> bool:
-        return True
-
-    def raise_failure(self) -> None:
-        pass
-
-    def abandon(self, *a, **k) -> None:
-        pass
-
-    def mark_best(self, step: int) -> None:
-        pass

@@ -13,6 +13,7 @@ import torch
 
 from dflash_train.checkpoint import capture_rng_state, restore_rng_state
 from dflash_train.errors import UserError
+from dflash_train.utils import code_version
 
 STATE_FORMAT = 1
 
@@ -78,6 +79,13 @@ def checkpoint_payload(drafter: torch.nn.Module, optimizer, scheduler, state: Tr
         "recipe": recipe or {"loss": "ce_decay", "optimizer": "adamw"},
     }
     return tensors, objects
+
+
+def checkpoint_meta(state: TrainState, cfg, drafter_cfg, world_size: int) -> dict:
+    """The manifest's `meta`: the full resolved config is what the resume rule compares against."""
+    return {"step": state.step, "config_hash": cfg.hash(), "config": cfg.to_dict(), "code_version": code_version(),
+            "drafter_config": drafter_cfg.to_dict(), "target_path": cfg.target.path, "tokens": state.tokens,
+            "world_size": world_size}
 
 
 def restore_payload(path: Path, tensors: dict, objects: dict, drafter: torch.nn.Module, optimizer, scheduler,

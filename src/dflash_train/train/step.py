@@ -54,19 +54,24 @@ def loss_and_backward(model, target, batch, train_cfg, num_anchors: int, generat
     return out
 
 
-def normalise_gradients(drafter: torch.nn.Module, weight_sum: torch.Tensor | float, ctx=None) -> float:
+def normalise_gradients(drafter: torch.nn.Module, weight_sum: torch.Tensor | float, ctx=None) -> torch.Tensor:
     """Divide the accumulated gradients by the step's total weight (this rank's `weight_sum`
     summed over trainer ranks by `ctx`), times the number of trainer ranks whose gradients
-    DDP / FSDP averaged. Returns the total weight (0 for a batch with nothing supervised:
-    the gradients stay 0)."""
-    local = float(weight_sum)
-    total = ctx.sum_over_trainers(local) if ctx is not None else local
-    n = ctx.num_trainers if ctx is not None else 1
-    scale = n / max(total, 1e-12)
+    DDP / FSDP averaged. Returns the total weight as a tensor (no host read; 0 for a batch
+    with nothing supervised: the gradients stay 0)."""
+    total = torch.as_tensor(weight_sum, dtype=torch.float32).detach().reshape(1).clone()
+    if ctx is not None:
+        ctx.all_reduce_sum_(total)
+    scale_gradients(drafter, total[0], ctx.num_trainers if ctx is not None else 1)
+    return total[0]
+
+
+def scale_gradients(drafter: torch.nn.Module, total_weight: torch.Tensor, num_trainers: int) -> None:
+    """grad *= num_trainers / total_weight, on the device (the rule of `normalise_gradients`)."""
+    scale = num_trainers / total_weight.clamp_min(1e-12)
     for p in drafter.parameters():
         if p.grad is not None:
-            p.grad.mul_(scale)
-    return total
+            p.grad.mul_(scale.to(p.grad.device))
 
 
 def clip_gradients(drafter: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -88,27 +93,26 @@ class _OneProcess:
     def no_sync(self, model):
         return contextlib.nullcontext()
 
-    def agree_all(self, ok: bool) -> bool:
-        return ok
-
-    def sum_over_trainers(self, value: float) -> float:
-        return value
+    def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 @dataclass
 class StepResult:
-    """What one optimizer step did. `finite` is agreed by every trainer rank: when False the
-    update was skipped (gradients dropped; the lr schedule still advanced)."""
+    """What one optimizer step did, read from the device once (the step's one host sync).
+    `finite` is the same on every trainer rank (it is computed from all-reduced sums and the
+    all-reduced gradient): when False the update was skipped (the lr schedule still advanced)."""
 
-    loss: torch.Tensor           # the step's loss: mean over its micro-batches (detached, on device)
-    grad_norm: torch.Tensor      # total gradient norm before clipping
+    loss: float                  # the step's loss: weighted mean over every micro-batch and trainer rank
+    grad_norm: float             # total gradient norm before clipping
     finite: bool
-    micro: list[LossOutput]      # each micro-batch's output (acceptance counts, extras)
+    micro: list[LossOutput]      # each micro-batch's output (acceptance counts, extras; this rank's)
     batches: list                # the TrainBatches consumed; the last one's order_state is the data position
-    num_tokens: int              # supervised tokens over every trainer rank
+    num_tokens: int              # tokens (not padding) over every trainer rank
     num_samples: int             # rows over every trainer rank
     busy_s: float                # computing (waiting for batches excluded)
     seconds: float               # the whole step, waits included
+    stop: bool = False           # some trainer rank voted to stop after this step (`stop_vote`)
 
 
 class TrainStep:
@@ -152,39 +156,48 @@ class TrainStep:
             return loss_and_backward(self.model, self.target, batch, self.cfg, self.num_anchors, self.anchor_gen,
                                      self.vocab_subset, self.cfg.grad_accum, self.objective, on_policy=on_policy)
 
-    def __call__(self, next_batch: Callable[[], Any], on_policy: bool = False) -> StepResult:
-        """One optimizer step over ``train.grad_accum`` batches taken from `next_batch()`."""
+    def __call__(self, next_batch: Callable[[], Any], on_policy: bool = False,
+                 stop_vote: Callable[[], bool] | None = None) -> StepResult:
+        """One optimizer step over ``train.grad_accum`` batches taken from `next_batch()`.
+        `stop_vote()`, asked just before the step's all-reduce: this rank wants to stop after this
+        step; the vote rides on the step's one collective, so every rank learns it at once."""
         t_step = time.perf_counter()
         accum = self.cfg.grad_accum
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device)
         weight = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
         batches, micro, busy = [], [], 0.0
         for i in range(accum):
-            batch = next_batch().to(self.device)
+            batch = next_batch().to(self.device, non_blocking=True)
             batches.append(batch)
             t_busy = time.perf_counter()
             with self.ctx.no_sync(self.model) if i < accum - 1 else contextlib.nullcontext():
                 out = self.forward_backward(batch, on_policy)
-            loss += out.loss.detach() / accum
-            weight += out.weight_sum
+            total += out.total.detach().float()
+            weight += out.weight_sum.float()
+            tokens += (batch.document_ids >= 0).sum()
             micro.append(out)
             busy += time.perf_counter() - t_busy
         t_busy = time.perf_counter()
-        # one normaliser for the whole step: every micro-batch and trainer rank (module doc)
-        normalise_gradients(self.drafter, weight, self.ctx)
+        vote = float(stop_vote()) if stop_vote is not None else 0.0
+        # ONE collective for the step: [weight, loss total, tokens, stop votes] summed over trainer ranks
+        sums = self.ctx.all_reduce_sum_(torch.stack([weight, total, tokens, torch.full((), vote, device=self.device)]))
+        scale_gradients(self.drafter, sums[0], self.ctx.num_trainers)  # the module doc's normalisation
         grad_norm = clip_gradients(self.drafter, self.cfg.grad_clip)
-        # one host sync per step: the skip decision must agree on every rank
-        finite = self.ctx.agree_all(bool(torch.isfinite(loss) & torch.isfinite(grad_norm)))
+        loss = sums[1] / sums[0].clamp_min(1e-12)
+        # the same on every rank: the sums are all-reduced, the gradients were (DDP / FSDP2)
+        finite_t = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        # ONE host sync for the step (the seed's batched .item())
+        finite, loss_v, norm_v, tokens_v, votes = torch.stack(
+            [finite_t.float(), loss, grad_norm.float().to(self.device), sums[2], sums[3]]).tolist()
         if finite:
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        n = self.ctx.num_trainers
         busy += time.perf_counter() - t_busy
-        return StepResult(loss, grad_norm, finite, micro, batches,
-                          num_tokens=sum(b.num_tokens for b in batches) * n,
-                          num_samples=sum(b.input_ids.shape[0] for b in batches) * n,
-                          busy_s=busy, seconds=time.perf_counter() - t_step)
+        return StepResult(loss_v, norm_v, bool(finite), micro, batches, num_tokens=int(tokens_v),
+                          num_samples=sum(b.input_ids.shape[0] for b in batches) * self.ctx.num_trainers,
+                          busy_s=busy, seconds=time.perf_counter() - t_step, stop=votes > 0)
