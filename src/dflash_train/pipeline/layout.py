@@ -5,7 +5,7 @@ one GPU doing both (a colocated rank) `colocated` tok/s. On a node of G GPUs:
   colocated: G * colocated                      (needs the target + a drafter replica per GPU)
   split:     max over t of min(t * target, (G - t) * trainer)   (t target ranks feed G - t trainers)
 Our H200 figures at the 8B shape (docs/benchmarks.md "GPU"): target 28,369, trainer 13,181, both
-11,234 -> colocated 89.9K, best split 2 + 6 = 56.7K tok/s. The trainer logs the rule with its own
+11,234 -> colocated 89.9K, best split 3 target + 5 trainer ranks = min(85.1K, 65.9K) = 65.9K tok/s. The trainer logs the rule with its own
 measured rates once (`advice`), and refuses at start-up what cannot run (`check_layout`).
 """
 from __future__ import annotations
