@@ -1,124 +1,142 @@
-"""One GPU check (single H200, < 8 minutes): compiled FlexAttention vs SDPA,
-bench at the 8b shape in bf16, and a 50-step CUDA training run.
-Run through bench/gpu_check.sh; prints one summary table, writes JSON to $OUT."""
+"""The device check a lent GPU runs in under 10 minutes (one H100 or H200, no internet; random
+weights at real shapes, nothing downloaded). Each check runs in its own process under its own
+time limit (a hang or a CUDA fault costs that check only) and prints one line:
+
+    ok|FAILED  <check>  <figure>
+
+Results: bench/results/gpu_check_<gpu-name>.json (and $OUT/ when set); the exit code is 1 when
+any check failed. --smoke runs the same logic on CPU (tiny shapes, gloo, float32, a few steps).
+
+    bash bench/gpu_check.sh                 # on the GPU machine
+    python bench/gpu_check.py --smoke       # on CPU: the script's own logic
+"""
 from __future__ import annotations
 
+import argparse
 import json
-import math
 import os
+import platform
+import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-rows: list[tuple[str, str, str]] = []
-result: dict = {}
+# name, module:function, seconds on the GPU, seconds in --smoke (the GPU limits sum to < 10 min)
+CHECKS = [
+    ("flex_vs_sdpa", "attention:check_flex_vs_sdpa", 100, 60),
+    ("block_masks", "attention:check_block_masks", 60, 30),
+    ("train_resume", "training:check_training", 250, 240),
+    ("memory", "perf:check_memory", 80, 60),
+    ("mfu", "perf:check_mfu", 100, 60),
+]
 
 
-def check_flex_vs_sdpa() -> None:
-    from dflash_train.config import ModelConfig
-    from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
-    from dflash_train.model.loss import sample_anchors
+def run_child(name: str, smoke: bool, work: Path, result_file: Path) -> int:
+    """In the check's own process: run it, write its Result as JSON."""
+    import importlib
 
-    dev = torch.device("cuda")
-    for lt in ("full_attention", "sliding_attention"):
-        cfg = DrafterConfig(hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, head_dim=64,
-                            intermediate_size=1024, layer_types=[lt, lt], sliding_window=64, block_size=16,
-                            mask_token_id=0, target_layer_ids=[1, 5], num_target_layers=8, rms_norm_eps=1e-6,
-                            rope_theta=1e6, max_position_embeddings=4096, vocab_size=1000,
-                            input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=None)
-        d = DFlashDrafter(cfg, seed=0).to(dev)
-        B, T, A = 2, 512, 32
-        g = torch.Generator().manual_seed(0)
-        docs = torch.zeros(B, T, dtype=torch.int32)
-        docs[:, T // 2:] = 1
-        mask = torch.rand(B, T, generator=g) > 0.3
-        anc, valid = sample_anchors(mask, docs, A, 16, g)
-        feats = torch.randn(B, T, 2 * 512, generator=g).to(dev)
-        emb = torch.randn(B, A * 16, 512, generator=g).to(dev)
-        outs = {}
-        for backend in ("sdpa", "flex"):
-            d.zero_grad()
-            h = d(emb, anc.to(dev), valid.to(dev), docs.to(dev), features=feats, backend=backend)
-            h.float().pow(2).mean().backward()
-            outs[backend] = (h.detach(), d.fc.weight.grad.clone())
-        live = valid.to(dev).repeat_interleave(16, dim=1)
-        diff = (outs["sdpa"][0] - outs["flex"][0]).abs()[live].max().item()
-        gdiff = (outs["sdpa"][1] - outs["flex"][1]).abs().max().item()
-        ok = diff < 1e-3 and gdiff < 1e-3
-        rows.append((f"flex vs sdpa ({lt})", f"fwd {diff:.2e}, grad {gdiff:.2e}", "ok" if ok else "FAIL"))
-        result[f"flex_vs_sdpa_{lt}"] = {"forward_max_abs": diff, "grad_max_abs": gdiff, "ok": ok}
+    sys.path.insert(0, str(REPO / "bench"))
+    entry = next(e for n, e, *_ in CHECKS if n == name)
+    mod, fn = entry.split(":")
+    try:
+        r = getattr(importlib.import_module(f"gpu_check.{mod}"), fn)(smoke, work)
+        out = {"ok": bool(r.ok), "figure": r.figure, "details": r.details}
+    except Exception as e:  # noqa: BLE001 - an exception is this check's FAILED line
+        traceback.print_exc()
+        out = {"ok": False, "figure": f"{type(e).__name__}: {e}".splitlines()[0][:300], "details": {}}
+    result_file.write_text(json.dumps(out, indent=2, default=str))
+    return 0
 
 
-def check_bench() -> None:
-    from dflash_train.bench import run_bench
-
-    r = run_bench("cuda", "8b", steps=3, dtype_name="bfloat16", log=lambda m: print(m, flush=True))
-    result["bench_8b_bf16"] = r.__dict__
-    rows.append(("matmul peak bf16", f"{r.matmul_peak_flops / 1e12:.0f} TFLOP/s", ""))
-    rows.append(("target fwd (8b)", f"{r.target_tok_s:,.0f} tok/s", ""))
-    rows.append(("trainer (8b, 5 layers)", f"{r.trainer_tok_s:,.0f} tok/s, MFU {r.trainer_mfu * 100:.1f}%", ""))
-    rows.append(("pipeline", f"{r.pipeline_tok_s:,.0f} tok/s, eff {r.pipeline_efficiency:.3f}", ""))
-    rows.append(("peak memory", f"{r.peak_memory_bytes / 2**30:.1f} GiB", ""))
-
-
-def check_training() -> None:
-    from conftest import write_tiny_jsonl
-
-    from tiny_target import make_tiny_target
-
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_check"
-    target = make_tiny_target(work / "target", family="qwen3", num_layers=4, hidden_size=256)
-    jsonl = write_tiny_jsonl(work / "conv.jsonl", n=200)
-    rd = work / "run"
-    over = [f"target.path={target}", f"data.source=jsonl:{jsonl}", "data.limit=200", "data.max_tokens=256",
-            f"data.cache_dir={work / 'cache'}", "model.num_layers=2", "model.block_size=16",
-            "train.max_steps=50", "train.batch_size=4", "train.num_anchors=64", "train.lr=2e-3",
-            "train.device=cuda", "train.dtype=bfloat16", "target.device=cuda", "target.dtype=bfloat16",
-            "logging.every_steps=1", "logging.progress=plain", "checkpoint.every_steps=25"]
+def run_check(name: str, limit: float, smoke: bool, work: Path) -> dict:
+    """Run one check in a new session (so a timeout kills torchrun and its workers too)."""
+    work.mkdir(parents=True, exist_ok=True)
+    result_file, log = work / "result.json", work / "check.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", name, "--work", str(work),
+           "--result", str(result_file), *(["--smoke"] if smoke else [])]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
     t0 = time.time()
-    res = subprocess.run([sys.executable, "-m", "dflash_train.cli", "train", "--run-dir", str(rd), *over],
-                         capture_output=True, text=True, cwd=REPO)
-    losses = [json.loads(l)["loss"] for l in (rd / "metrics.jsonl").read_text().splitlines()] if (rd / "metrics.jsonl").exists() else []
-    finite = bool(losses) and all(isinstance(x, float) and math.isfinite(x) for x in losses)
-    dec = finite and len(losses) == 50 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5
-    ok = res.returncode == 0 and dec
-    if not ok:
-        print(res.stdout[-2000:], res.stderr[-4000:])
-    result["train_50_steps"] = {"rc": res.returncode, "first5": losses[:5], "last5": losses[-5:],
-                                "seconds": time.time() - t0, "ok": ok}
-    rows.append(("50-step CUDA training", f"loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no metrics",
-                 "ok" if ok else "FAIL"))
-
-
-def main() -> int:
-    assert torch.cuda.is_available(), "gpu_check needs CUDA"
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
-    for fn in (check_flex_vs_sdpa, check_bench, check_training):
-        t0 = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
         try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - report every check
-            rows.append((fn.__name__, f"{type(e).__name__}: {e}"[:120], "FAIL"))
-            result[fn.__name__] = {"error": repr(e)}
-        print(f"{fn.__name__}: {time.time() - t0:.0f}s", flush=True)
-    from rich.console import Console
-    from rich.table import Table
+            rc = proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    seconds = time.time() - t0
+    if rc is None:
+        out = {"ok": False, "figure": f"timed out after {limit:.0f}s (its limit)", "details": {}}
+    elif result_file.exists():
+        out = json.loads(result_file.read_text())
+    else:
+        out = {"ok": False, "figure": f"the check's process died (exit {rc}) without a result", "details": {}}
+    if not out["ok"]:  # where it went wrong, on stderr (stdout carries the check lines only)
+        tail = log.read_text(errors="replace").splitlines()[-25:]
+        print(f"--- {name}: last lines of {log}\n" + "\n".join(tail), file=sys.stderr, flush=True)
+    return dict(out, name=name, seconds=round(seconds, 1), limit_seconds=limit, log=str(log))
 
-    t = Table(title="dflash-train GPU check")
-    for c in ("check", "figure", "status"):
-        t.add_column(c)
-    for r in rows:
-        t.add_row(*r)
-    Console().print(t)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "gpu_check.json").write_text(json.dumps(result, indent=2, default=str))
-    return 0 if all(r[2] != "FAIL" for r in rows) else 1
+
+def gpu_name(smoke: bool) -> str:
+    if smoke:
+        return "cpu-smoke"
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no-cuda"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, gloo, float32: the logic only")
+    p.add_argument("--only", help="comma-separated checks to run (default: all): " + ",".join(c[0] for c in CHECKS))
+    p.add_argument("--skip", default="", help="comma-separated checks not to run (reported as skipped)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="where the JSON goes")
+    p.add_argument("--work", type=Path, help="scratch directory (default: a new temporary one)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        return run_child(a.child, a.smoke, a.work, a.result)
+
+    import torch
+
+    names = [c[0] for c in CHECKS]
+    only = a.only.split(",") if a.only else names
+    skip = set(filter(None, a.skip.split(",")))
+    unknown = (set(only) | skip) - set(names)
+    if unknown:
+        p.error(f"unknown checks {sorted(unknown)}; use {names}")
+    work = a.work or Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    gpu = gpu_name(a.smoke)
+    print(f"gpu_check: {gpu}, torch {torch.__version__}, work {work}", file=sys.stderr, flush=True)
+    results = []
+    for name, _, limit, smoke_limit in CHECKS:
+        if name not in only:
+            continue
+        if name in skip:
+            r = {"name": name, "ok": None, "figure": "skipped (--skip)"}
+        else:
+            r = run_check(name, smoke_limit if a.smoke else limit, a.smoke, work / name)
+        status = "skip" if r["ok"] is None else ("ok" if r["ok"] else "FAILED")
+        print(f"{status:<6} {name:<13} {r['figure']}" + (f"  [{r['seconds']:.0f}s]" if "seconds" in r else ""),
+              flush=True)
+        results.append(r)
+    report = {"gpu": gpu, "smoke": a.smoke, "torch": torch.__version__, "python": platform.python_version(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checks": results}
+    text = json.dumps(report, indent=2, default=str) + "\n"
+    targets = [a.out] + ([Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
+    for d in targets:
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"gpu_check_{gpu}.json").write_text(text)
+    print(f"gpu_check: wrote {targets[0] / f'gpu_check_{gpu}.json'}", file=sys.stderr, flush=True)
+    return 1 if any(r["ok"] is False for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 sit on for which backend, and a colocated rank's slice of the data order."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -71,3 +73,14 @@ def test_rank_slices_cover_one_process_batches():
     again = RankSlice(DataOrder(10, seed=3), 1, 2)
     again.load_state_dict(ranks[1].state_dict())
     assert again.next_positions(2) == ranks[1].next_positions(2)
+
+
+def test_the_gpu_recipe_holds_together_on_one_and_two_nodes():
+    """configs/gpu-8b.yaml: every key is one its layout accepts, at the README's world sizes."""
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu-8b.yaml", [])
+    assert cfg.pipeline.layout == "colocated"
+    for world in (8, 16):
+        check_layout(cfg, world)
+        for rank in (0, world - 1):
+            ctx = DistContext(cfg, world_size=world, rank=rank)
+            assert ctx.colocated and ctx.num_trainers == world and not ctx.is_target_rank
