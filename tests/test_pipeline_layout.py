@@ -9,7 +9,7 @@ import torch
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.data import DataOrder, RankSlice
-from dflash_train.pipeline.layout import StageRates, advice, check_layout, check_memory
+from dflash_train.pipeline.layout import StageRates, advice, check_layout, check_memory, memory_line
 from dflash_train.train.distributed import DistContext, collective_device
 
 
@@ -84,3 +84,10 @@ def test_the_gpu_recipe_holds_together_on_one_and_two_nodes():
         for rank in (0, world - 1):
             ctx = DistContext(cfg, world_size=world, rank=rank)
             assert ctx.colocated and ctx.num_trainers == world and not ctx.is_target_rank
+
+
+def test_start_up_line_says_what_each_rank_holds():
+    ctx = DistContext(load_config(None, ["pipeline.layout=colocated"]), world_size=8, rank=0)
+    line = memory_line(ctx, 16_400_000_000, 1_050_000_000)
+    assert line == ("layout colocated on 8 rank(s): each holds the target's 16,400.0 MB of weights and a drafter "
+                    "of 1,050.00M params, 16,800.0 MB with its gradients and AdamW state")

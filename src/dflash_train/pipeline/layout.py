@@ -59,6 +59,16 @@ def check_layout(cfg, world_size: int) -> None:
                           "run `dflash-train eval` on the checkpoints, or train.sharding=ddp")
 
 
+def memory_line(ctx, target_bytes: int, drafter_params: int) -> str:
+    """The start-up line of what each rank holds (the rates' half of the rule follows at the second
+    logging interval, `advice`)."""
+    where = (f"colocated on {ctx.world_size} rank(s): each holds" if ctx.colocated and ctx.distributed
+             else "split: each trainer holds" if not ctx.colocated else "one process holds")
+    return (f"layout {where} the target's {target_bytes / 1e6:,.1f} MB of weights and a drafter of "
+            f"{drafter_params / 1e6:,.2f}M params, {drafter_params * ADAMW_BYTES_PER_PARAM / 1e6:,.1f} MB with its "
+            "gradients and AdamW state")
+
+
 def check_memory(free_bytes: int, drafter_params: int, device: str) -> None:
     """The drafter's weights, gradients and AdamW state must fit beside what is already on the GPU
     (the target, loaded first); activations come on top (train.activation_checkpointing bounds them)."""

@@ -35,7 +35,7 @@ from dflash_train.model.dflash2 import build_drafter
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.init_from_target import InitFromTargetError, init_from_target
 from dflash_train.pipeline.layout import advice as layout_advice
-from dflash_train.pipeline.layout import check_memory
+from dflash_train.pipeline.layout import check_memory, memory_line
 from dflash_train.pipeline.remote import load_trainer_target, serve_target_rank, trainer_pipeline
 from dflash_train.pipeline.training_data import open_training_data
 from dflash_train.rundir import BEST, RunDir, RunDirBusy, RunRecord, step_dir_name
@@ -185,6 +185,8 @@ class Trainer:
         if self.drafter_cfg.draft_vocab_size:
             self.drafter.draft_vocab.copy_(self.vocab_subset)
         n_params = sum(p.numel() for p in self.drafter.parameters())
+        target_bytes = sum(p.numel() * p.element_size() for p in self.target.model.parameters())
+        log.info("%s", memory_line(self.ctx, target_bytes, n_params))
         if self.device.type == "cuda":  # weights + grads + AdamW beside the target, before they are allocated
             shards = self.ctx.num_trainers if cfg.train.sharding == "fsdp2" else 1
             check_memory(torch.cuda.mem_get_info(self.device)[0], n_params // shards, str(self.device))
