@@ -14,11 +14,14 @@ drafts over, sorted (a buffer, so checkpoints carry it; `restrict_logits` applie
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from dflash_train.model import masks as M
 from dflash_train.model import rope as R
@@ -119,20 +122,18 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.nh * self.d))
 
 
-_FLEX_COMPILED = None
+@functools.cache
+def _compiled_flex_attention():
+    # one wrapper per process. A new BlockMask (and mask_mod closure) each step does not
+    # recompile: dynamo guards on the mask_mod's code and closure ints, not on the objects
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex_attention(q, k, v, block_mask, scale, gqa):
-    """Compiled flex_attention on CUDA (one compile per process); eager elsewhere (CPU tests, forward only)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _FLEX_COMPILED
-    if q.is_cuda:
-        if _FLEX_COMPILED is None:
-            _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
-        fn = _FLEX_COMPILED
-    else:
-        fn = flex_attention
+    """Compiled flex_attention on CUDA; inside a compiled region (train.compile) the region's own
+    graph takes flex_attention as it is (no nested wrapper); eager on CPU (tests)."""
+    compiled = q.is_cuda and not torch.compiler.is_compiling()
+    fn = _compiled_flex_attention() if compiled else flex_attention
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
@@ -166,6 +167,14 @@ class Layer(nn.Module):
         v = torch.cat([ctx_kv[1], vb], dim=2)
         x = x + self.self_attn.attend(q, k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def layer_step(layer: Layer, x, context, ctx_rope, q_rope, mask):
+    """One layer of the training forward: its context keys/values, then the layer. The unit that
+    train.compile compiles and train.activation_checkpointing recomputes (so the context k/v
+    activations are not kept either)."""
+    ctx_kv = layer.self_attn.kv(context, *ctx_rope)
+    return layer(x, q_rope, q_rope, ctx_kv, mask)
 
 
 # --------------------------------------------------------------------------- inference cache
@@ -206,6 +215,9 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
         self.build_extra_modules(cfg)
+        # set by prepare_for_training (train.compile / train.activation_checkpointing)
+        self.layer_step = layer_step
+        self.activation_checkpointing = False
         if cfg.draft_vocab_size:
             # filled by training (train.vocab_subset) or by loading a checkpoint / export
             self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size, dtype=torch.long))
@@ -248,6 +260,15 @@ class DFlashDrafter(nn.Module):
         return self.fc.weight.dtype
 
     # ------------------------------------------------------------------ training
+
+    def prepare_for_training(self, *, compile: bool, activation_checkpointing: bool) -> None:
+        """train.compile: the training forward runs `layer_step` torch.compiled, one graph for all
+        layers (their weights are graph inputs, so state_dict names are unchanged); the mask and
+        anchor code around it stays eager, and so does inference (draft_block, evals).
+        train.activation_checkpointing: each layer_step runs under torch.utils.checkpoint in a
+        training forward with grad: its activations are recomputed in the backward."""
+        self.layer_step = torch.compile(layer_step) if compile else layer_step
+        self.activation_checkpointing = bool(activation_checkpointing)
 
     def build_masks(self, anchors, anchor_valid, document_ids, backend: str | None = None,
                     block_len: int | None = None):
@@ -299,10 +320,11 @@ class DFlashDrafter(nn.Module):
         q_rope = self.rotary(q_pos, dtype)
         ctx_rope = self.rotary(ctx_pos, context.dtype)
 
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         x = block_embeds
         for layer in self.layers:
-            ctx_kv = layer.self_attn.kv(context, *ctx_rope)
-            x = layer(x, q_rope, q_rope, ctx_kv, masks[layer.layer_type])
+            args = (layer, x, context, ctx_rope, q_rope, masks[layer.layer_type])
+            x = checkpoint(self.layer_step, *args, use_reentrant=False) if recompute else self.layer_step(*args)
         return self.norm(x)
 
     # ------------------------------------------------------------------ inference

@@ -22,9 +22,11 @@ CPU, fallback); `flex_block_mask` hands it to `create_block_mask` (CUDA).
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -113,11 +115,19 @@ def dense_mask(mask_mod: Callable, B: int, q_len: int, kv_len: int, device=None)
     return mask_mod(b, h, q, kv).expand(B, 1, q_len, kv_len)
 
 
-def flex_block_mask(mask_mod: Callable, B: int, q_len: int, kv_len: int, device=None, compile: bool = False):
-    """The same `mask_mod` as a FlexAttention BlockMask (heads broadcast: H=None)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+@functools.cache
+def _compiled_create_block_mask():
+    # what create_block_mask(_compile=True) does (the reference DFlash seed's call; torch 2.13
+    # deprecates the flag for this). A new mask_mod closure each step does not recompile: dynamo
+    # guards on its code and on the closure's ints (block size, T, A, window), fixed in a run.
+    return torch.compile(create_block_mask)
 
-    return create_block_mask(mask_mod, B, None, q_len, kv_len, device=device, _compile=compile)
+
+def flex_block_mask(mask_mod: Callable, B: int, q_len: int, kv_len: int, device=None, compile: bool = False):
+    """The same `mask_mod` as a FlexAttention BlockMask (heads broadcast: H=None); `compile`:
+    built by one fused kernel instead of materialising the [B, q_len, kv_len] mask eagerly."""
+    build = _compiled_create_block_mask() if compile else create_block_mask
+    return build(mask_mod, B, None, q_len, kv_len, device=device)
 
 
 def build_masks(
@@ -129,16 +139,22 @@ def build_masks(
     sliding_window: int | None,
     backend: str,
     context_len: int | None = None,
+    compile: bool | None = None,
 ) -> dict[str, object]:
-    """One mask per distinct layer type (shared by all layers of that type), for one step."""
+    """One mask per distinct layer type (shared by all layers of that type), for one step.
+
+    compile: build flex BlockMasks compiled (default: on CUDA; on CPU flex is for tests only and
+    inductor's CPU code for the padded mask fails on bool vectors, torch 2.13)."""
     B, A = anchors.shape
+    if compile is None:
+        compile = anchors.is_cuda
     T = int(document_ids.shape[1] if context_len is None else context_len)
     q_len, kv_len = A * block_size, T + A * block_size
     out: dict[str, object] = {}
     for lt in dict.fromkeys(layer_types):
         mod = dflash_mask_mod(anchors, anchor_valid, document_ids, block_size, lt, sliding_window, T)
         if backend == "flex":
-            out[lt] = flex_block_mask(mod, B, q_len, kv_len, device=anchors.device)
+            out[lt] = flex_block_mask(mod, B, q_len, kv_len, device=anchors.device, compile=compile)
         elif backend == "sdpa":
             out[lt] = dense_mask(mod, B, q_len, kv_len, device=anchors.device)
         else:

@@ -209,11 +209,10 @@ class Trainer:
         self.step = TrainStep.build(self.drafter, self.target, cfg.train, self.num_anchors, self.anchor_gen,
                                     self.vocab_subset, self.ctx, model=self.model)
         self.optimizer, self.scheduler = self.step.optimizer, self.step.scheduler
-        if cfg.train.compile:
-            # per decoder layer, in place (as torchtitan does): the mask and anchor code
-            # around the layers is data-dependent and stays eager; parameter names are unchanged
-            for layer in self.drafter.layers:
-                layer.compile()
+        # train.compile: one compiled graph shared by the layers (the mask and anchor code around them stays
+        # eager); train.activation_checkpointing: each layer recomputed in the backward (model/drafter.py)
+        self.drafter.prepare_for_training(compile=cfg.train.compile,
+                                          activation_checkpointing=cfg.train.activation_checkpointing)
 
     def _cap_anchors(self, row_len: int) -> None:
         """A row of T tokens has at most T-1 anchor positions: more anchors only add
