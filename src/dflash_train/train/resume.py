@@ -7,16 +7,49 @@ import json
 import logging
 from pathlib import Path
 
+from dflash_train.checkpoint import CheckpointError, load_checkpoint
 from dflash_train.checkpoint.aside import set_aside_for_fresh_start, set_aside_newer
+from dflash_train.errors import UserError
 from dflash_train.model.dflash2 import architecture_mismatch
 from dflash_train.model.drafter import SERVING_ONLY_FIELDS
 from dflash_train.resume_rule import LR_SCHEDULE_KEYS, config_changes
 from dflash_train.rundir import RunDir
 from dflash_train.storage import writing
 from dflash_train.train.metrics import truncate_metrics
+from dflash_train.train.preflight import TrainError
 from dflash_train.train.schedule import lr_factor
+from dflash_train.train.state import TrainState, check_recipe, restore_payload
 
 log = logging.getLogger("dflash_train")
+
+
+def resume_run(plan, cfg, drafter_cfg, step, ctx, generators: dict, run_dir: Path, resume_arg: str) -> TrainState | None:
+    """Put back the checkpoint `plan` names (chosen and verified by preflight) into `step`'s drafter,
+    optimizer and scheduler and this rank's RNG `generators`; its TrainState. A fresh start (None)
+    sets what an earlier run left aside first (the leader)."""
+    path = plan.path
+    if path is None:
+        if ctx.is_leader:
+            keep_fresh_start_aside(run_dir, resume_arg)
+        return None
+    try:
+        tensors, objects, manifest = load_checkpoint(path)
+    except CheckpointError as e:
+        raise TrainError(f"cannot resume: {e}") from None
+    refused = drafter_mismatch(manifest, drafter_cfg, path, cfg.target.path)
+    if refused:
+        raise TrainError(refused)
+    try:
+        check_recipe(path, objects, cfg.train)
+        state = restore_payload(path, tensors, objects, step.drafter, step.optimizer, step.scheduler, ctx, generators,
+                                log)
+    except UserError as e:
+        raise TrainError(str(e)) from None
+    apply_schedule_changes(step.scheduler, step.optimizer, plan.config, cfg)
+    log.info("resumed from %s at step %d (%d tokens trained)", path, state.step, state.tokens)
+    if ctx.is_leader:
+        settle_timeline(run_dir, path, state.step)
+    return state
 
 
 def drafter_mismatch(manifest: dict, drafter_cfg, path: Path, target_path: str) -> str | None:

@@ -26,8 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_train.checkpoint import (CheckpointError, CheckpointManager, CheckpointWriteError, FollowerCheckpoints,
-                                     load_checkpoint)
+from dflash_train.checkpoint import CheckpointManager, CheckpointWriteError, FollowerCheckpoints
 from dflash_train.config import ConfigError, RunConfig, save_config
 from dflash_train.control.signals import AbortRun, StopController, grace_warning
 from dflash_train.errors import UserError
@@ -53,10 +52,9 @@ from dflash_train.train.preflight import (
     preflight,
     refuse_busy,
 )
-from dflash_train.train.resume import apply_schedule_changes, drafter_mismatch, keep_fresh_start_aside, settle_timeline
-from dflash_train.train.state import (TrainState, check_recipe, checkpoint_meta, checkpoint_payload, recipe_of,
-                                     restore_payload)
-from dflash_train.train.step import TrainStep
+from dflash_train.train.resume import resume_run
+from dflash_train.train.state import TrainState, checkpoint_meta, checkpoint_payload, recipe_of
+from dflash_train.train.step import TrainStep, capped_anchors
 from dflash_train.train.vocab_subset import vocab_subset_from_rows
 from dflash_train.utils import code_version, resolve_device
 
@@ -173,7 +171,7 @@ class Trainer:
                                                     split=not self.ctx.colocated)
         if self._given_target is not None:
             self._log_target(self.target, 0.0)
-        self._cap_anchors(int(self.data.input_ids.shape[1]))
+        self.num_anchors = capped_anchors(cfg.train.num_anchors, int(self.data.input_ids.shape[1]))
         self.evals.pick_prompts(self.target)
         self.vocab_subset = vocab_subset_from_rows(self.data.input_ids, self.data.loss_mask, cfg.train.vocab_subset)
         self.drafter_cfg = DrafterConfig.from_target(cfg.model, self.target)
@@ -214,16 +212,6 @@ class Trainer:
         self.drafter.prepare_for_training(compile=cfg.train.compile,
                                           activation_checkpointing=cfg.train.activation_checkpointing)
 
-    def _cap_anchors(self, row_len: int) -> None:
-        """A row of T tokens has at most T-1 anchor positions: more anchors only add
-        padding blocks (weight 0) that cost time, so the count is capped (same losses)."""
-        most = max(1, row_len - 1)
-        if self.cfg.train.num_anchors > most:
-            self.num_anchors = most
-            log.warning("train.num_anchors=%d capped to %d: a row of %d tokens has at most %d anchor positions "
-                        "(more only add empty blocks; the losses are the same)", self.cfg.train.num_anchors, most,
-                        row_len, most)
-
     # ------------------------------------------------------------------ checkpoint state
     def _rng_generators(self) -> dict[str, torch.Generator]:
         return {"anchors": self.anchor_gen}
@@ -234,28 +222,10 @@ class Trainer:
         return tensors, objects, checkpoint_meta(self.state, self.cfg, self.drafter_cfg, self.ctx.world_size)
 
     def _resume(self) -> None:
-        path = self.plan.path  # chosen and verified by preflight
-        if path is None:
-            if self.is_leader:
-                keep_fresh_start_aside(self.run_dir, self.resume_arg)
-            return
-        try:
-            tensors, objects, manifest = load_checkpoint(path)
-        except CheckpointError as e:
-            raise TrainError(f"cannot resume: {e}") from None
-        refused = drafter_mismatch(manifest, self.drafter_cfg, path, self.cfg.target.path)
-        if refused:
-            raise TrainError(refused)
-        try:
-            check_recipe(path, objects, self.cfg.train)
-            self.state = restore_payload(path, tensors, objects, self.drafter, self.optimizer, self.scheduler,
-                                         self.ctx, self._rng_generators(), log)
-        except UserError as e:
-            raise TrainError(str(e)) from None
-        apply_schedule_changes(self.scheduler, self.optimizer, self.plan.config, self.cfg)
-        log.info("resumed from %s at step %d (%d tokens trained)", path, self.state.step, self.state.tokens)
-        if self.is_leader:
-            settle_timeline(self.run_dir, path, self.state.step)
+        """The checkpoint preflight chose, put back (train/resume.py); a fresh start sets older files aside."""
+        state = resume_run(self.plan, self.cfg, self.drafter_cfg, self.step, self.ctx, self._rng_generators(),
+                           self.run_dir, self.resume_arg)
+        self.state = state or self.state
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:

@@ -13,6 +13,7 @@ ranks' gradients: hence the factor num_trainers)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,6 +25,18 @@ from dflash_train.model.on_policy import on_policy_anchors
 from dflash_train.model.objectives import Objective
 from dflash_train.train.optim import make_optimizer
 from dflash_train.train.schedule import make_scheduler
+
+
+def capped_anchors(num_anchors: int, row_len: int) -> int:
+    """A row of T tokens has at most T-1 anchor positions: more anchors only add padding blocks
+    (weight 0) that cost time, so the count is capped (same losses), with a warning."""
+    most = max(1, row_len - 1)
+    if num_anchors > most:
+        logging.getLogger("dflash_train").warning(
+            "train.num_anchors=%d capped to %d: a row of %d tokens has at most %d anchor positions (more only add "
+            "empty blocks; the losses are the same)", num_anchors, most, row_len, most)
+        return most
+    return num_anchors
 
 
 def loss_and_backward(model, target, batch, train_cfg, num_anchors: int, generator: torch.Generator,
