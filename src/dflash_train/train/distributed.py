@@ -182,8 +182,10 @@ class DistContext:
             fully_shard(drafter, mesh=mesh)
             self.fsdp = True
             return drafter
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of beside
+        # them (4.2 GB less at the 8B drafter's 1.05B fp32 parameters)
         return _DDP(drafter, device_ids=[dev.index] if dev.type == "cuda" else None,
-                    process_group=self.trainer_group)
+                    process_group=self.trainer_group, gradient_as_bucket_view=True)
 
     def shutdown(self) -> None:
         if self.distributed and dist.is_initialized():
