@@ -163,7 +163,7 @@ def test_done_ids_count_answers_holding_unicode_line_separators(tmp_path):
 
 def test_generation_dtype_follows_the_cpus_native_bf16(tmp_path):
     """Batched answers through vLLM: bfloat16 on CPUs with native bf16 GEMMs, float32 elsewhere."""
-    from dflash_train.engine.serve_bench import cpu_flags, generation_dtype
+    from dflash_train.engine.vllm_process import cpu_flags, generation_dtype
 
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse avx avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx2\n")
@@ -180,7 +180,7 @@ def test_a_timed_out_engine_takes_its_children_down(tmp_path, monkeypatch):
     import time
     from pathlib import Path
 
-    from dflash_train.engine.serve_bench import generate_in_vllm
+    from dflash_train.engine.vllm_process import generate_in_vllm
     from dflash_train.errors import UserError
 
     pid_file = tmp_path / "child.pid"

@@ -10,10 +10,10 @@ import pytest
 
 from dflash_train.config import TargetConfig, load_config
 from dflash_train.data import domains
+from dflash_train.data.benchmarks import load_humaneval, load_mtbench
 from dflash_train.data.prepare import cache_inputs, cache_key, read_source_conversations
 from dflash_train.data.regenerate import regenerate_conversations
 from dflash_train.data.sources import DataError, is_heldout, read_conversations
-from dflash_train.eval.suites import load_humaneval, load_mtbench
 from dflash_train.targets import load_target
 from conftest import write_tiny_jsonl
 

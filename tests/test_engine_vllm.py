@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import write_tiny_jsonl
-from dflash_train.engine.serve_bench import REPO_VENV
+from dflash_train.engine.vllm_process import REPO_VENV
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_VLLM = bool(os.environ.get("DFLASH_TRAIN_VLLM_PYTHON")) or (REPO_VENV / "bin" / "python").is_file()
@@ -193,7 +193,7 @@ def test_regenerate_through_vllm(tiny_llama, tmp_path):
             "data.max_tokens=128", "--out", str(out), "--max-new-tokens", "12", "--engine", "vllm")
     assert r.returncode == 0, r.stderr[-3000:]
     # bfloat16 only where this CPU computes it natively (else vLLM emulates it, ~28x slower)
-    from dflash_train.engine.serve_bench import generation_dtype
+    from dflash_train.engine.vllm_process import generation_dtype
     assert f"batched, {generation_dtype()};" in r.stdout + r.stderr
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) >= 10

@@ -10,8 +10,9 @@ import pytest
 from dflash_train.checkpoint.manager import CheckpointManager
 from dflash_train.cli import UserError
 from dflash_train.config import ModelConfig, RunConfig, TargetConfig, save_config
-from dflash_train.eval.command import eval_command, evaluate_tau
+from dflash_train.eval.command import eval_command
 from dflash_train.eval.prompts import encode_prompts, heldout_prompts, read_prompts_file
+from dflash_train.eval.tau import evaluate_tau
 from dflash_train.export import write_export
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.targets import load_target
@@ -124,7 +125,7 @@ def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
     expect = [c.prompt for c in convs if is_heldout(c, 0.3)][:2]  # all short: none skipped for length
     from dflash_train.eval import command as C
 
-    assert C._heldout_from_run(rc, t, 2) == expect
+    assert C.heldout_from_run(rc, t, 2) == expect
 
 
 def test_in_training_eval_scores_the_final_evals_prompts(setup, tmp_path):
@@ -157,7 +158,7 @@ def test_in_training_eval_scores_the_final_evals_prompts(setup, tmp_path):
     assert [c.prompt for c in regen if is_heldout(c, 0.3)][:3] != want  # the old in-training choice differed
     hook = InTrainingEval(rc, HeldoutEval(rc), is_leader=True)
     hook.pick_prompts(t)
-    assert hook.prompts == want == eval_prompts(rc, t) == C._heldout_from_run(rc, t, 3)
+    assert hook.prompts == want == eval_prompts(rc, t) == C.heldout_from_run(rc, t, 3)
 
 
 def test_targets_implement_the_declared_target_interface(setup):
@@ -190,7 +191,7 @@ def test_eval_result_rows_join_one_table(setup):
 def test_engine_rows_render_through_method_row():
     """An engine measurement's dict rows (serve-bench --json, summary.json) keep their keys; rendered,
     they are MethodRows measured by vLLM with the engine-only columns k and tokens per draft."""
-    from dflash_train.engine.serve_bench import summarise
+    from dflash_train.engine.measure import summarise
     from dflash_train.results import ENGINE_COLUMNS, engine_cells, engine_rows
 
     out = [[1, 2, 3, 4]] * 2

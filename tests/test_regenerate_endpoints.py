@@ -26,7 +26,7 @@ import pytest
 
 from conftest import write_tiny_jsonl
 from dflash_train.engine.local_servers import SERVER_MODULE, free_port
-from dflash_train.engine.serve_bench import REPO_VENV
+from dflash_train.engine.vllm_process import REPO_VENV
 
 VLLM_PY = Path(os.environ.get("DFLASH_TRAIN_VLLM_PYTHON") or REPO_VENV / "bin" / "python")
 if not VLLM_PY.is_file() and os.environ.get("CI"):

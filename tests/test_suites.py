@@ -18,19 +18,9 @@ from pathlib import Path
 import pytest
 
 from conftest import write_tiny_jsonl
+from dflash_train.data.benchmarks import HUMANEVAL_FILE, HUMANEVAL_FORMAT, MTBENCH_FILE, load_humaneval, load_mtbench
 from dflash_train.errors import UserError
-from dflash_train.eval.suites import (
-    HUMANEVAL_FILE,
-    HUMANEVAL_FORMAT,
-    MTBENCH_FILE,
-    SUITE_NAMES,
-    all_turns,
-    groups_of,
-    load_humaneval,
-    load_mtbench,
-    load_suite,
-    parse_suites,
-)
+from dflash_train.eval.suites import SUITE_NAMES, all_turns, groups_of, load_suite, parse_suites
 
 def _missing_suite_data() -> str | None:
     for f in (MTBENCH_FILE, HUMANEVAL_FILE):

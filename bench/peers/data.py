@@ -27,7 +27,7 @@ from dflash_train.data.packing import cut_document
 from dflash_train.data.prepare import min_supervised_for, read_source_conversations
 from dflash_train.data.sources import is_heldout
 from dflash_train.data.template import ChatFormat, TemplateMismatch
-from dflash_train.engine.serve_bench import served_target_dir
+from dflash_train.targets import served_target_dir
 from dflash_train.targets import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]

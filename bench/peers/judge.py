@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 
 from dflash_train.config import load_config
-from dflash_train.engine.serve_bench import TokenizerOnly, _max_model_len, run_worker, served_target_dir, summarise, DEFAULT_DTYPE
+from dflash_train.engine.measure import DEFAULT_DTYPE, summarise
+from dflash_train.engine.vllm_process import max_model_len, run_worker
 from dflash_train.eval.prompts import encode_prompts, eval_prompts
-from dflash_train.targets import load_tokenizer
+from dflash_train.targets import TokenizerOnly, load_tokenizer, served_target_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +39,7 @@ def heldout_prompt_ids(data_dir: Path, num_prompts: int, config: Path = REPO / "
 
 
 def serve(target_dir: Path, ids, stops, max_new_tokens: int, methods: list[dict], timeout_s: float = 7200) -> dict:
-    job = {"target": str(target_dir), "dtype": DEFAULT_DTYPE, "max_model_len": _max_model_len(target_dir),
+    job = {"target": str(target_dir), "dtype": DEFAULT_DTYPE, "max_model_len": max_model_len(target_dir),
            "max_new_tokens": max_new_tokens, "prompts": ids, "stop_token_ids": stops, "methods": methods}
     return run_worker(job, timeout_s)
 

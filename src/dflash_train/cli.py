@@ -173,14 +173,13 @@ def regenerate(
 
     def go():
         from dflash_train.data.regenerate import regenerate_conversations
-        from dflash_train.targets import load_target, load_tokenizer
+        from dflash_train.targets import TokenizerOnly, load_target, load_tokenizer, served_target_dir
 
         cfg = _load_config(config, overrides)
         if engine not in ("trainer", "vllm"):
             raise UserError(f"--engine {engine!r}: choose trainer or vllm")
         if endpoint or local_servers:
             from dflash_train.data.endpoints import FleetSpec
-            from dflash_train.engine.serve_bench import TokenizerOnly
 
             if engine == "vllm":
                 raise UserError("--engine vllm is one batched run in this process; --endpoint / --local-servers "
@@ -197,11 +196,12 @@ def regenerate(
                                      temperature, fleet=spec, top_p=top_p)
             return
         if engine == "vllm":
-            from dflash_train.engine.serve_bench import TokenizerOnly, vllm_answers
+            from dflash_train.engine.vllm_process import vllm_answers
 
             tok, family = load_tokenizer(cfg.target)
+            generate = vllm_answers(served_target_dir(cfg.target.path), log=typer.echo)
             regenerate_conversations(cfg, out, TokenizerOnly(tok, family), None, max_new_tokens, batch_size,
-                                     temperature, generate=vllm_answers(cfg.target.path, log=typer.echo))
+                                     temperature, generate=generate)
             return
         # the target loads only when some conversation still needs an answer
         regenerate_conversations(cfg, out, lambda: load_target(cfg.target), None, max_new_tokens, batch_size, temperature,

@@ -19,7 +19,7 @@ what `eval`, the demo and the in-training eval score):
   first training answers: a high tau there and a low one held out is memorisation;
 * `--decode`: real speculative decoding besides, with wall-clock tok/s of plain,
   DFlash and prompt-lookup decoding, each checked lossless (what `eval` reports).
-* `--engine`: each variant's export served by vLLM on the same prompts (engine/serve_bench.py):
+* `--engine`: each variant's export served by vLLM on the same prompts (engine/measure.py):
   the engine's tau and tok/s for DFlash, with plain vLLM and vLLM's n-gram measured once,
   and lossless against plain vLLM. The figure that decides a recipe.
 * `--k N`: every variant (and the n-gram beside them) scored and served with N draft tokens per
@@ -48,19 +48,20 @@ import torch
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.data.sources import read_conversations
-from dflash_train.engine.serve_bench import check_k, measure_in_vllm, served_target_dir
+from dflash_train.engine.k_sweep import check_k
+from dflash_train.engine.measure import measure_in_vllm
 from dflash_train.errors import UserError
-from dflash_train.eval.command import evaluate_tau
 from dflash_train.eval.ngram import PromptLookup
 from dflash_train.eval.prompts import encode_prompts, eval_prompts
 from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.specdec import plain_generate
+from dflash_train.eval.tau import evaluate_tau
 from dflash_train.export import export_checkpoint, resolve_drafter_source
 from dflash_train.model.acceptance import walk_acceptance
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.rundir import read_metrics, read_record
 from dflash_train.seeds import paired_summary, run_name
-from dflash_train.targets import load_target
+from dflash_train.targets import load_target, served_target_dir
 
 RESULTS_FILE = "compare.json"
 SEEDS_FILE = "compare-seeds.json"

@@ -36,22 +36,23 @@ from dflash_train.config import RunConfig
 from dflash_train.data import load_prepared
 from dflash_train.data.regenerate import regenerate_conversations
 from dflash_train.errors import UserError
-from dflash_train.engine.k_sweep import AUTO, print_sweep, sweep_k
-from dflash_train.engine.serve_bench import (check_k, measurement, print_engine_table, serve_methods, served_target_dir,
-                                             vllm_answers)
+from dflash_train.engine.k_sweep import AUTO, check_k, print_sweep, sweep_k
+from dflash_train.engine.measure import measurement, serve_methods
+from dflash_train.engine.serve_bench import print_engine_table
 from dflash_train.engine.suite_serving import suite_result
-from dflash_train.eval.command import evaluate_tau
+from dflash_train.engine.vllm_process import vllm_answers
 from dflash_train.eval.in_training import HeldoutEval
 from dflash_train.eval.prompts import chat_format, encode_prompts, eval_prompts
 from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.specdec import tau_of
 from dflash_train.eval.suite_bench import print_suite_tables, suite_items, target_answers
 from dflash_train.eval.suites import SUITE_NAMES, all_turns
+from dflash_train.eval.tau import evaluate_tau
 from dflash_train.export import export_checkpoint, resolve_drafter_source
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.report import comparison_rows, explanation, fmt_num, write_report
-from dflash_train.targets import load_target
+from dflash_train.targets import load_target, served_target_dir
 from dflash_train.train.run import run_training
 
 console = Console(stderr=True)
@@ -146,7 +147,7 @@ def _regenerate(cfg: RunConfig, target, out: Path) -> None:
     demo = cfg.demo
     generate = None
     if demo.regenerate_engine == "vllm":
-        generate = vllm_answers(cfg.target.path, log=lambda m: console.print(m, markup=False))
+        generate = vllm_answers(served_target_dir(cfg.target.path), log=lambda m: console.print(m, markup=False))
     regenerate_conversations(cfg, out, max_conversations=demo.regenerate_conversations,
                              max_new_tokens=demo.regenerate_tokens, batch_size=demo.regenerate_batch,
                              temperature=0.0, target=target, generate=generate)

@@ -84,7 +84,7 @@ ENGINE_COLUMNS = ("method", "k", "tau", "tokens/draft", "tok/s", "vs plain", "lo
 
 
 def engine_row(r: Mapping[str, Any], measured_by: str = "vllm") -> MethodRow:
-    """One row of an engine measurement (`engine.serve_bench.summarise`'s dicts: what
+    """One row of an engine measurement (`engine.measure.summarise`'s dicts: what
     `serve-bench --json` prints and the demo's summary.json keeps) as a MethodRow, with the
     engine-only columns k and tokens per draft; lossless is against the engine's own plain run."""
     return MethodRow(r.get("label", r["method"]), r.get("tau"), r.get("tokens_per_s"), r.get("speedup"),
@@ -93,7 +93,7 @@ def engine_row(r: Mapping[str, Any], measured_by: str = "vllm") -> MethodRow:
 
 
 def engine_rows(measurement: Mapping[str, Any], measured_by: str = "vllm") -> list[MethodRow]:
-    """The rows of one engine measurement (`engine.serve_bench.measure_in_vllm`'s result, also the
+    """The rows of one engine measurement (`engine.measure.measure_in_vllm`'s result, also the
     demo's summary["engine"]) as MethodRows."""
     return [engine_row(r, measured_by) for r in measurement.get("rows", [])]
 

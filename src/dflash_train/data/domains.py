@@ -34,6 +34,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Iterator
 
+from dflash_train.data.benchmarks import load_humaneval
 from dflash_train.data.sources import Conversation, DataError, is_heldout, read_conversations
 from dflash_train.errors import UserError
 
@@ -87,8 +88,6 @@ def _stub(lines: list[str], fn: ast.FunctionDef) -> str | None:
 def humaneval_names() -> set[str]:
     """The functions HumanEval's problems define: a stub of that name never enters training
     (more-itertools has an ``is_prime(n)``, HumanEval/31 too)."""
-    from dflash_train.eval.suites import load_humaneval  # the suite's data file only (stdlib reader)
-
     return {m.group(1) for item in load_humaneval() for m in re.finditer(r"^def (\w+)\(", item.turns[0], re.M)}
 
 

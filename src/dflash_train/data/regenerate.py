@@ -177,7 +177,7 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
 
     `generate`: answers all prompts in one batched call instead of our own decoding loop
     (``generate(prompt_ids, max_new_tokens, stop_token_ids) -> [(new ids, finished)]``, greedy;
-    the demo passes vLLM's batched generation, `engine.serve_bench.generate_in_vllm`), called on
+    the demo passes vLLM's batched generation, `engine.vllm_process.generate_in_vllm`), called on
     `engine_chunk` prompts at a time, each chunk's answers written before the next.
     `fleet`: a `data.endpoints.FleetSpec`: OpenAI-compatible servers answer, requests in flight
     at once, records written as answers come back. With either, `target` only needs its

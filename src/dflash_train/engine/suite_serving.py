@@ -7,8 +7,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from dflash_train.config import TargetConfig
+from dflash_train.data.template import ChatFormat
+from dflash_train.engine.measure import DEFAULT_DTYPE, methods_over, serve_methods, summarise
+from dflash_train.engine.vllm_process import generate_in_vllm
+from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.suite_bench import Log, group_head, suite_items
 from dflash_train.eval.suites import SuitePrompt, all_turns, describe, groups_of
+from dflash_train.export import resolve_drafter_source
+from dflash_train.model.dflash2 import build_drafter
+from dflash_train.targets import load_target, served_target_dir
 
 
 def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence[str], num_prompts: int,
@@ -16,9 +24,6 @@ def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence
                  temperature: float = 0.0, top_p: float = 1.0, log: Log | None = None) -> dict[str, Any]:
     """The export served by vLLM over the suites; `tokenizer_target`: anything with .tokenizer and
     .family (the chat format). Rows per group (module docstring)."""
-    from dflash_train.data.template import ChatFormat
-    from dflash_train.engine.serve_bench import DEFAULT_DTYPE, generate_in_vllm, serve_methods, served_target_dir
-
     fmt = ChatFormat(tokenizer_target.tokenizer, tokenizer_target.family)
     stops = fmt.stop_token_ids()
     target_dir = served_target_dir(target_path)
@@ -52,8 +57,6 @@ def suite_result(raw: dict[str, Any], job: dict[str, Any], prompts: Sequence[Sui
     """The per-suite (and MT-Bench category) rows of the suites' prompts, which sit at `offset` in
     the job's prompts (the demo serves its held-out prompts first, in the same engine runs);
     `replayed`: our acceptance lengths per suite prompt, or None."""
-    from dflash_train.engine.serve_bench import methods_over, summarise
-
     greedy = job["temperature"] <= 0
     groups = []
     for g in groups_of(prompts):
@@ -71,12 +74,6 @@ def suite_result(raw: dict[str, Any], job: dict[str, Any], prompts: Sequence[Sui
 def replay_per_prompt(export_dir, target_path: str, prompt_ids, outputs, k: int, log: Log | None) -> list[list[int]]:
     """Our acceptance lengths of the export's drafter on plain vLLM's outputs, prompt by prompt
     (masks only, k drafts from a block of k + 1: as the engine drafts them)."""
-    from dflash_train.config import TargetConfig
-    from dflash_train.eval.replay import replay_acceptance
-    from dflash_train.export import resolve_drafter_source
-    from dflash_train.model.dflash2 import build_drafter
-    from dflash_train.targets import load_target
-
     if log:
         log(f"replay: the drafter on plain vLLM's {len(outputs)} outputs (our tau of the same drafter)")
     target = load_target(TargetConfig(path=target_path))

@@ -2,8 +2,8 @@
 each method of a job in turn (plain, n-gram, DFlash) and writes what vLLM measured.
 
 Standard library + vllm only: this file is executed by the vLLM venv's interpreter as a script
-(`python vllm_worker.py JOB.json RESULT.json`); `dflash_train.engine.serve_bench` writes the job
-and reads the result. A job with ``"mode": "generate"`` is batched greedy generation instead. One engine at a time: each method is a fresh `vllm.LLM` (a speculative
+(`python vllm_worker.py JOB.json RESULT.json`); `dflash_train.engine.vllm_process.run_worker` writes
+the job and reads the result. A job with ``"mode": "generate"`` is batched greedy generation instead. One engine at a time: each method is a fresh `vllm.LLM` (a speculative
 config cannot change on a live engine), shut down before the next starts.
 
 Per method: one warm-up generation, then every prompt alone (batch 1: the latency regime

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dflash_train.eval.command import evaluate_tau
+from dflash_train.eval.tau import evaluate_tau
 from dflash_train.eval.prompts import eval_prompts
 
 

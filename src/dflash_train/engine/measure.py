@@ -1,0 +1,140 @@
+"""The measurement of methods in vLLM: plain vLLM, vLLM's n-gram drafting and a DFlash export,
+served one engine at a time on the same prompts by one worker job (engine/vllm_process.py), and
+the rows made of the engine's own counters. `serve-bench` (engine/serve_bench.py), its k sweep
+(engine/k_sweep.py), its suites (engine/suite_serving.py), `compare --engine` and the demo all
+measure through here.
+
+Prompts are token ids in the target's chat format, greedy (or sampled), batch 1, the chat
+format's stop tokens; n-gram (lookup 1-3 tokens) and DFlash draft k tokens per step (default
+block_size - 1; a DFlash block is then the anchor and k masks). Per method:
+
+* tau = tokens per target decode step = (n - P) / (n - P - A) over n generated tokens of P
+  prompts with A accepted draft tokens (the engine's ``spec_decode_num_accepted_tokens``):
+  each prompt's first token comes from the prefill, every decode step produces its accepted
+  drafts plus one token of the target, and a step without a draft (n-gram found no match)
+  produces one. This is our `eval`'s tau (its verify steps exclude the prefill too).
+* tokens per draft = 1 + A / drafts (steps that had a draft only);
+* tok/s by wall clock over the prompts (after one warm-up generation), speedup over plain vLLM;
+* lossless: every output equals plain vLLM's token for token.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from dflash_train.engine.vllm_process import max_model_len, one_line, run_worker
+from dflash_train.errors import UserError
+
+# float32 by default: in bfloat16 the verify forward (k + 1 query tokens) and plain decoding
+# (1 token) run different GEMM shapes whose rounding flips near-tied greedy tokens, so outputs
+# drift from plain vLLM's even with no draft accepted (measured: 3 prompts x 32 tokens, lossless
+# NO in bf16, yes in fp32); fp32 also matches our `eval`, which runs the target in fp32 on CPU
+DEFAULT_DTYPE = "float32"
+COUNTER_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+LABELS = {"plain": "plain vLLM", "ngram": "vLLM n-gram", "dflash": "DFlash (vLLM)"}
+
+
+def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]],
+                    stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str] = ("plain", "ngram", "dflash"),
+                    k: int | None = None, dtype: str | None = None, log: Callable[[str], None] | None = None,
+                    timeout_s: float = 3600.0, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
+    """Serve `target_dir` with each method in vLLM; returns {"vllm_version", "rows": [...], ...}
+    (module docstring). Raises UserError (one line) when vLLM cannot serve the pair."""
+    t0 = time.perf_counter()
+    res, job = serve_methods(export_dir, target_dir, prompt_ids, stop_token_ids, max_new_tokens, methods, k, dtype,
+                             log, timeout_s, temperature, top_p)
+    return measurement(res, job, range(len(job["prompts"])), time.perf_counter() - t0)
+
+
+def measurement(res: dict[str, Any], job: dict[str, Any], indices: Sequence[int], seconds: float) -> dict[str, Any]:
+    """`measure_in_vllm`'s result for some of a job's prompts (the demo serves its held-out prompts and
+    the suites' in one job): rows from those prompts' own times and counters, their outputs."""
+    indices = list(indices)
+    greedy = job["temperature"] <= 0
+    methods = methods_over(res["methods"], indices)
+    return {"vllm_version": res.get("vllm_version"), "rows": summarise(methods, len(indices), compare_outputs=greedy),
+            "k": job["methods"][0]["k"], "dtype": job["dtype"], "num_prompts": len(indices),
+            "max_new_tokens": job["max_new_tokens"], "temperature": job["temperature"], "top_p": job["top_p"],
+            "seconds": seconds, "outputs": {m["name"]: m["outputs"] for m in methods}}
+
+
+def serve_methods(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]],
+                  stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str], k: int | None = None,
+                  dtype: str | None = None, log: Callable[[str], None] | None = None, timeout_s: float = 3600.0,
+                  temperature: float = 0.0, top_p: float = 1.0,
+                  ks: Sequence[int] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The worker's raw result (each method's outputs, seconds and counters, in total and per prompt)
+    and the job it ran; `ks`: a k per method instead of one for all (the k sweep). Raises UserError
+    (one line) when vLLM cannot serve the pair."""
+    export_dir = Path(export_dir).resolve()
+    k = int(k or export_block_size(export_dir) - 1)
+    ks = [int(x) for x in ks] if ks is not None else [k] * len(methods)
+    job = {
+        "target": str(target_dir), "dtype": dtype or DEFAULT_DTYPE,
+        "max_model_len": max_model_len(target_dir),
+        "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
+        "stop_token_ids": [int(s) for s in stop_token_ids],
+        "temperature": float(temperature), "top_p": float(top_p),
+        "methods": [{"name": m, "k": mk, **({"model": str(export_dir)} if m == "dflash" else {})}
+                    for m, mk in zip(methods, ks)],
+    }
+    if log:
+        sampling = f"temperature {temperature:g}, top-p {top_p:g}" if temperature > 0 else "greedy"
+        what = ", ".join(methods) if len(set(ks)) == 1 else ", ".join(
+            m if m == "plain" else f"{m} k {mk}" for m, mk in zip(methods, ks))
+        k_text = f", k {k}" if len(set(ks)) == 1 else ""
+        log(f"vLLM: serving {target_dir} with {what} ({len(job['prompts'])} prompts, "
+            f"<= {max_new_tokens} new tokens{k_text}, {job['dtype']}, {sampling}); one engine start each")
+    res = run_worker(job, timeout_s)
+    if "error" in res:
+        raise UserError(f"vLLM cannot serve {export_dir.name} on {target_dir}: {one_line(res['error'])}")
+    return res, job
+
+
+def export_block_size(export_dir: Path) -> int:
+    """The block size an export's config.json records (ours and the public DFlash layout)."""
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    return int(cfg.get("block_size") or cfg.get("dflash_config", {}).get("block_size", 16))
+
+
+def summarise(methods: Sequence[dict], num_prompts: int, compare_outputs: bool = True) -> list[dict[str, Any]]:
+    """One row per method: tau, tokens per draft, tok/s, speedup and lossless vs plain.
+    compare_outputs=False (sampling): outputs differ by chance, lossless is None (the acceptance
+    rule's own test is the check there)."""
+    plain = next((m for m in methods if m["name"] == "plain"), None)
+    rows = []
+    for m in methods:
+        n = sum(len(o) for o in m["outputs"])
+        acc = float(m.get("spec_decode_num_accepted_tokens", 0.0))
+        drafts = float(m.get("spec_decode_num_drafts", 0.0))
+        decode_tokens = n - num_prompts
+        steps = decode_tokens - acc
+        tps = n / m["seconds"] if m["seconds"] > 0 else float("nan")
+        rows.append({
+            "method": m["name"], "label": LABELS.get(m["name"], m["name"]), "k": m.get("k", 0) if m["name"] != "plain" else 0,
+            "tau": decode_tokens / steps if steps > 0 else float("nan"),
+            "tokens_per_draft": 1.0 + acc / drafts if drafts else None,
+            "drafts": drafts, "accepted_tokens": acc, "draft_tokens": float(m.get("spec_decode_num_draft_tokens", 0.0)),
+            "new_tokens": n, "seconds": m["seconds"], "load_seconds": m["load_seconds"], "tokens_per_s": tps,
+            "speedup": None, "lossless": None,
+        })
+    if plain is not None:
+        base = next(r for r in rows if r["method"] == "plain")
+        for r, m in zip(rows, methods):
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None
+            if compare_outputs:
+                r["lossless"] = m["outputs"] == plain["outputs"]
+    return rows
+
+
+def methods_over(methods: Sequence[dict], indices: Sequence[int]) -> list[dict]:
+    """The worker's methods restricted to some of the prompts (a suite, a category): their outputs,
+    and seconds and counters summed from the per-prompt figures."""
+    out = []
+    for m in methods:
+        per = [m["per_prompt"][i] for i in indices]
+        out.append({**m, "outputs": [m["outputs"][i] for i in indices], "seconds": sum(p["seconds"] for p in per),
+                    **{c: sum(p[c] for p in per) for c in COUNTER_KEYS}})
+    return out
