@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_train.checkpoint.source import DrafterSource, clean_state_dict, resolve_checkpoint_source
+from dflash_train.config import TargetConfig
 from dflash_train.errors import UserError
 from dflash_train.model.dflash2 import export_shapes, from_export_names, to_export_names
 from dflash_train.model.hf_config import drafter_config_from_hf, hf_config_dict
@@ -44,6 +45,7 @@ from dflash_train.report import model_card, run_summary
 from dflash_train.rundir import MANIFEST_FILE, holds_checkpoints, is_checkpoint_dir, is_run_dir
 from dflash_train.serving_check import D2T, check_config, check_export, draft_vocab_shapes, target_facts
 from dflash_train.storage import writing
+from dflash_train.targets.head_only import load_head_only_target
 from dflash_train.utils import save_safetensors
 
 CONFIG_FILE = "config.json"
@@ -348,9 +350,6 @@ def _target_lm_head(target_path: str | None) -> torch.Tensor | None:
     of a draft vocabulary; None when the run names no target."""
     if not target_path:
         return None
-    from dflash_train.config import TargetConfig
-    from dflash_train.targets.head_only import load_head_only_target
-
     try:
         return load_head_only_target(TargetConfig(path=target_path, device="cpu", dtype="float32"), "cpu").lm_head_weight
     except UserError:

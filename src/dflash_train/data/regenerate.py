@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_train.data.endpoints import Fleet, Job, Sampling
 from dflash_train.data.prepare import read_source_conversations
 from dflash_train.data.sources import Conversation, DataError
 from dflash_train.data.template import ChatFormat
@@ -285,8 +286,6 @@ def _through_fleet(spec, items, fmt: ChatFormat, cfg, max_new_tokens: int, tempe
                    records: _Records, console) -> None:
     """OpenAI-compatible servers answer (data/endpoints.py); `spec.start` (local servers) runs
     only now that answers are needed and stops with this function, also on errors."""
-    from dflash_train.data.endpoints import Fleet, Job, Sampling
-
     stops = fmt.stop_token_ids()
     with (spec.start() if spec.start is not None else contextlib.nullcontext([])) as started:
         # a generation runs at >= 1 tok/s even on a loaded CPU server: past that it hangs

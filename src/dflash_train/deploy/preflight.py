@@ -88,7 +88,7 @@ def check_import(v: Verdict, src: Path) -> bool:
     import importlib
     import pkgutil
 
-    try:
+    try:  # the NEW release's package, imported only once check 1 passed (the module doc): never at the top
         import dflash_train
     except BaseException as e:  # noqa: BLE001
         return v.add("import", False, f"import dflash_train failed: {_short_exc(e)}")
@@ -152,7 +152,7 @@ def _flat(d, prefix=""):
 def check_config(v: Verdict, run_dir: Path, train_args: list[str] | None = None):
     """RUN_DIR/config.yaml under the new schema; and the job's own command
     line (what the restart will resolve, in this cwd) must give the same config."""
-    from dflash_train.config import load_config
+    from dflash_train.config import load_config  # the NEW release's schema, after the import check
 
     path = rundir.RunDir(run_dir).config
     if not path.is_file():
@@ -267,7 +267,7 @@ def _check_checkpoint(v: Verdict, name: str, ckpt: Path) -> bool:
     dcfg_dict = (man.get("meta") or {}).get("drafter_config")
     if not isinstance(dcfg_dict, dict):
         return v.add("checkpoint", False, f"{name}/{rundir.MANIFEST_FILE} has no meta.drafter_config: cannot build the drafter to check it")
-    try:
+    try:  # the NEW release's drafter (and torch), after the import check: a failure is this check's verdict
         import torch
         from safetensors import safe_open
 

@@ -27,6 +27,7 @@ from dflash_train.errors import UserError, first_line
 from dflash_train.targets.gguf import (converted_dir, embedded_family, embedded_gguf_path, gguf_family, gguf_model,
                                        gguf_path_of, gguf_tokenizer)
 from dflash_train.targets.model import FAMILY_BY_MODEL_TYPE, Target, TargetError
+from dflash_train.utils import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +185,6 @@ def load_target(cfg: TargetConfig, device: torch.device | str | None = None, tok
     `tokenizer`: one already loaded by `load_tokenizer(cfg)` (not loaded again).
     Unreadable files raise TargetError naming the file, never a library traceback."""
     from transformers import AutoTokenizer
-
-    from dflash_train.utils import resolve_device
 
     if cfg.device == "cuda" and device is None and not torch.cuda.is_available():
         raise TargetError("target.device=cuda but no CUDA GPU is available here (torch.cuda.is_available() is "
