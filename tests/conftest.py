@@ -16,6 +16,10 @@ HOOKS = Path(__file__).resolve().parent / "hooks"
 sys.path.insert(0, str(HOOKS))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])])
 
+# CI=true: a skip for something `make test` installs (vLLM, dflash, sshd, the data packages,
+# py-spy's ptrace...) fails instead (tests/ci_skips.py); every skip is listed with its reason (-ra)
+from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401
+
 _SUBJECTS = ["the sea", "a robot", "Paris", "python code", "the moon", "a small cat", "speculative decoding",
              "the library", "a train", "the weather"]
 _ASKS = ["Tell me about {s}.", "Write a short poem about {s}.", "What is special about {s}?",

@@ -1,7 +1,9 @@
 """End to end with the real embedded target (Gemma 3 270M, ~7 s to load): greedy
-speculative decoding with an (untrained) drafter of the demo's shape equals
-plain greedy decoding token for token, and so does the reference package with
-our export of the same drafter."""
+speculative decoding with a drafter of the demo's shape equals plain greedy decoding token for
+token while drafts are accepted (an untrained drafter accepts nothing, so its proposals are
+overwritten with plain's own continuation, right for 0..k tokens of each block: every
+acceptance length is exercised), and the reference package with our export of the same
+(untrained) drafter decodes as ours does, acceptance lengths included."""
 from __future__ import annotations
 
 import time
@@ -46,11 +48,35 @@ def test_gemma270m_greedy_spec_equals_plain_and_reference(gemma, tmp_path, monke
                                                "<end_of_turn>\n<start_of_turn>model\n")
     monkeypatch.setattr(dm, "_cuda_time", time.perf_counter)
     ref = dflash.DFlashDraftModel.from_pretrained(str(write_export(cfg, dr.state_dict(), tmp_path / "e"))).eval()
+    from dflash_train.eval import specdec
+
+    real_draft = specdec.DrafterProposer.draft
+    state = {"plain": None, "calls": 0}
+
+    def partly_right(self, output_ids, start, room, temperature, generator):
+        """The drafter's own block (its forward runs), then its first j drafts replaced by plain's
+        tokens and the next one by a wrong token, j = 0, 1, ..., k in turn."""
+        block, q = real_draft(self, output_ids, start, room, temperature, generator)
+        truth = state["plain"][0, start + 1:start + block.shape[1]]
+        j = state["calls"] % (truth.shape[0] + 1)
+        state["calls"] += 1
+        block[0, 1:1 + j] = truth[:j]
+        if j < truth.shape[0]:
+            block[0, 1 + j] = truth[j] ^ 1  # another token id
+        return block, q
+
     for i, p in enumerate(ids):
         x = torch.tensor([p])
         plain = plain_generate(t, x, 16, stops)
+        state["plain"], state["calls"] = plain, 0
+        monkeypatch.setattr(specdec.DrafterProposer, "draft", partly_right)
         spec, acc = speculative_generate(dr, t, x, 16, stops)
+        monkeypatch.setattr(specdec.DrafterProposer, "draft", real_draft)
         assert torch.equal(spec, plain), t.tokenizer.decode(plain[0, x.shape[1]:])
+        # the drafts were accepted, in blocks of every length (acceptance length = accepted drafts + 1)
+        assert max(acc) >= 4 and len(set(acc)) >= 3, acc
         if i == 0:  # the reference is slower; one prompt is enough here
+            spec, acc = speculative_generate(dr, t, x, 16, stops)  # our untrained drafter, as exported
+            assert torch.equal(spec, plain)
             r = dm.dflash_generate(ref, t.model, x, 16, stops, return_stats=True)
             assert torch.equal(r.output_ids, spec) and r.acceptance_lengths == acc

@@ -13,11 +13,13 @@ import torch
 from dflash_train.config import ModelConfig, TargetConfig
 from dflash_train.eval.specdec import plain_generate, speculative_generate
 from specdec_fakes import bias_target_towards, slot_prediction
-from dflash_train.export import load_export, write_export
+from dflash_train.checkpoint.source import load_export
+from dflash_train.export import write_export
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.targets import load_target
 
-dflash = pytest.importorskip("dflash")
+# the reference package is installed by `make test` (Makefile): a broken install fails here, never skips
+import dflash  # noqa: E402
 import dflash.model as dm  # noqa: E402
 
 PROMPTS = ["Hello! How can I help", "The quick brown fox", "Write a short poem about the sea."]

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from test_no_data_loss import CLI, cli, tree
-from trainrun import REPO, env, tiny_overrides, wait_for
+from trainrun import REPO, assert_same_training_state, env, tiny_overrides, wait_for
 
 HERE = Path(__file__).resolve().parent
 
@@ -145,6 +145,12 @@ def test_resume_older_checkpoint_is_recorded_before_training(base, tmp_path):
     assert _steps(run) == list(range(1, 9))  # each step once: the killed run's step 5 was dropped
     assert _ckpt_steps(ck) == [2, 4, 6, 8]
     assert tree(aside[0]) == kept_all
+    # the continued timeline is the abandoned one recomputed: losses, and the final weights and
+    # optimizer state bit for bit
+    old_losses = {json.loads(l)["step"]: json.loads(l)["loss"] for l in old_metrics.splitlines()
+                  if not json.loads(l).get("eval")}
+    assert {r["step"]: r["loss"] for r in _metrics(run) if not r.get("eval")} == old_losses
+    assert_same_training_state(ck / "step-00000008", aside[0] / "step-00000008")
 
 
 def test_best_is_repointed_when_its_checkpoint_is_moved_aside(base, tmp_path):

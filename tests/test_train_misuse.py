@@ -96,8 +96,6 @@ def copy_run(ref, tmp_path: Path, name: str = "run") -> Path:
 
 
 def test_resume_without_config_uses_the_runs_config_and_applies_allowed_changes(ref, tmp_path):
-    from dflash_train.train.schedule import lr_factor
-
     rd = copy_run(ref, tmp_path)
     before = metrics(rd)
     res = cli("train", "--run-dir", rd, "train.max_steps=6", "train.lr=0.001")
@@ -115,9 +113,13 @@ def test_resume_without_config_uses_the_runs_config_and_applies_allowed_changes(
     after = metrics(rd)
     assert after[:len(before)] == before and after[-1]["step"] == 6
     assert (rd / "checkpoints" / "step-00000004").is_dir()
-    # the new lr is in effect (not silently ignored while config.yaml records it)
-    lr6 = next(r["lr"] for r in after if r["step"] == 6)
-    assert math.isclose(lr6, 0.001 * lr_factor(6, 6, 0.1, 0.1), rel_tol=1e-9)
+    # the new lr is in effect (not silently ignored while config.yaml records it), on the schedule of
+    # the new max_steps: warmup round(0.1 * 6) = 1 step, then cosine from 1e-3 down to min_lr_ratio 0.1
+    # of it. By hand: after step 5, 4 of the 5 decay steps: 0.1 + 0.9 * (1 + cos(0.8 pi)) / 2 =
+    # 0.1 + 0.45 * (1 - 0.80901699...) = 0.18594235...; after step 6 the floor, 0.1
+    lr = {r["step"]: r["lr"] for r in after if not r.get("eval")}
+    assert math.isclose(lr[5], 1e-3 * 0.18594235253127366, rel_tol=1e-9), lr
+    assert math.isclose(lr[6], 1e-4, rel_tol=1e-9), lr
     # every checkpoint carries the full resolved config
     man = json.loads((rd / "checkpoints" / "step-00000006" / "manifest.json").read_text())
     assert man["meta"]["config"] == cfg

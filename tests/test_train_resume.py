@@ -1,7 +1,9 @@
 """Training as a user runs it: real subprocesses, real signals, real files.
 
-The core promise: a run stopped with SIGTERM at any step and resumed logs the
-same `loss` values, bit for bit, as a run that was never interrupted."""
+The core promise: a run stopped with SIGTERM or SIGINT at any step and resumed logs the
+same `loss` values, bit for bit, as a run that was never interrupted, and ends with the same
+drafter weights and optimizer state (its last checkpoint's model.safetensors and state.pt),
+bit for bit."""
 from __future__ import annotations
 
 import json
@@ -12,7 +14,8 @@ import time
 import pytest
 import yaml
 
-from trainrun import losses, metrics, run_train, signal_and_wait, start_train, tiny_overrides, wait_for, wait_step
+from trainrun import (assert_same_training_state, losses, metrics, run_train, signal_and_wait, start_train,
+                      tiny_overrides, wait_for, wait_step)
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +52,37 @@ def test_run_dir_layout_and_metrics(reference):
     assert (rd / "logs" / "train.log").is_file()
 
 
-@pytest.mark.parametrize("stop_after", [1, 3, 6])
-def test_sigterm_then_resume_is_bit_exact(train_setup, reference, stop_after):
+@pytest.mark.parametrize("stop_after, sig", [(1, signal.SIGTERM), (3, signal.SIGINT), (6, signal.SIGTERM)],
+                         ids=["1-SIGTERM", "3-SIGINT", "6-SIGTERM"])
+def test_signal_then_resume_is_bit_exact(train_setup, reference, stop_after, sig, capsys):
+    """SIGTERM (a scheduler's stop) or SIGINT (Ctrl-C; here sent by `dflash-train stop`, its default)
+    mid-run: exit 0 with a checkpoint at the stop step; the resume ends where the uninterrupted run
+    ends: the same losses, weights and optimizer state, bit for bit."""
     target, jsonl, root = train_setup
     rd = root / f"stop{stop_after}"
-    proc = start_train(rd, tiny_overrides(target, jsonl), root / f"stop{stop_after}.log",
-                       step_delay=0.3)  # the signal lands mid-run
+    log = root / f"stop{stop_after}.log"
+    proc = start_train(rd, tiny_overrides(target, jsonl), log, step_delay=0.3)  # the signal lands mid-run
     wait_step(rd, stop_after, proc)
-    assert signal_and_wait(proc, signal.SIGTERM) == 0, (root / f"stop{stop_after}.log").read_text()
+    if sig == signal.SIGINT:
+        # as a user stops a real trainer: `status` sees it live, `stop` (SIGINT by default) waits for
+        # the stop checkpoint and names it (tests/test_control_commands.py: the same against a fake)
+        from dflash_train.control.commands import status_command, stop_command
+
+        capsys.readouterr()
+        assert status_command(rd, True) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["live"] and info["pid"] == proc.pid and info["step"] >= stop_after, info
+        assert stop_command(rd, 120.0, "INT", False) == 0, log.read_text()[-3000:]
+        out = capsys.readouterr().out
+        assert proc.wait(60) == 0, log.read_text()
+        stopped = max(losses(rd))
+        assert "sent SIGINT" in out and f"stopped at step {stopped}, checkpoint step-{stopped:08d}" in out, out
+        assert status_command(rd, True) == 3  # not live any more
+        assert json.loads(capsys.readouterr().out)["live"] is False
+    else:
+        assert signal_and_wait(proc, sig) == 0, log.read_text()
+    assert f"({sig.name})" in log.read_text(), log.read_text()[-3000:]  # "stopping at step N (SIGINT)"
+    assert json.loads((rd / "run.json").read_text())["stop_reason"] == sig.name
     stopped = max(losses(rd))
     assert stopped < 8, "the run finished before the signal; the test proves nothing"
     latest = (rd / "checkpoints" / "latest").resolve().name
@@ -66,6 +92,7 @@ def test_sigterm_then_resume_is_bit_exact(train_setup, reference, stop_after):
     res = run_train(rd, tiny_overrides(target, jsonl))
     assert res.returncode == 0, res.stdout + res.stderr
     assert losses(rd) == losses(reference)  # exact float equality, every step
+    assert_same_training_state(rd, reference)  # final weights + optimizer, bit for bit
 
 
 def test_resume_falls_back_when_newest_checkpoint_is_corrupt(train_setup, reference, tmp_path):
@@ -85,6 +112,7 @@ def test_resume_falls_back_when_newest_checkpoint_is_corrupt(train_setup, refere
     assert res.returncode == 0, res.stderr
     assert "step-00000008" in res.stderr and "step-00000004" in res.stderr
     assert losses(rd) == losses(reference)
+    assert_same_training_state(rd, reference)
 
 
 def test_second_signal_abandons_save_and_exits_130(train_setup, tmp_path):
@@ -115,7 +143,7 @@ def test_third_signal_exits_at_once(train_setup, tmp_path):
     assert proc.wait(30) == 130
 
 
-def test_signal_before_first_step(train_setup, tmp_path):
+def test_signal_before_first_step(train_setup, reference, tmp_path):
     target, jsonl, _ = train_setup
     rd = tmp_path / "early"
     proc = start_train(rd, tiny_overrides(target, jsonl), tmp_path / "early.log", step_delay=0.3)
@@ -127,6 +155,8 @@ def test_signal_before_first_step(train_setup, tmp_path):
     res = run_train(rd, tiny_overrides(target, jsonl))
     assert res.returncode == 0, res.stderr
     assert sorted(losses(rd)) == list(range(1, 9))
+    assert losses(rd) == losses(reference)
+    assert_same_training_state(rd, reference)
 
 
 def test_second_trainer_on_live_run_dir_is_refused(train_setup, tmp_path):
@@ -164,3 +194,4 @@ def test_sigkill_during_checkpoint_write_then_resume(train_setup, reference, tmp
     res = run_train(rd, tiny_overrides(target, jsonl, **{"checkpoint.every_steps": 2}))
     assert res.returncode == 0, res.stderr[-3000:]
     assert losses(rd) == losses(reference)
+    assert_same_training_state(rd, reference)

@@ -112,3 +112,50 @@ def wait_step(run_dir: Path, step: int, proc: subprocess.Popen | None = None, ti
 def signal_and_wait(proc: subprocess.Popen, sig=signal.SIGTERM, timeout: float = 120) -> int:
     proc.send_signal(sig)
     return proc.wait(timeout)
+
+
+def checkpoint_payload(ckpt: Path) -> tuple[dict, dict]:
+    """(tensors of model.safetensors, the objects of state.pt: optimizer, scheduler, train state,
+    RNG streams, data order) of a committed checkpoint, or of a run dir's `checkpoints/latest`."""
+    from dflash_train.checkpoint.store import load_checkpoint
+
+    tensors, objects, _ = load_checkpoint(ckpt)
+    return tensors, objects
+
+
+def _differences(a, b, where: str = "") -> list[str]:
+    """Where `a` and `b` differ, tensors bit for bit (dtype, shape and every byte)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return [f"{where}: {type(a).__name__} vs {type(b).__name__}"]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return [f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"]
+        same = torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)) \
+            if a.numel() else True
+        return [] if same else [f"{where}: values differ (max |a-b| "
+                                f"{(a.double() - b.double()).abs().max().item() if a.is_floating_point() else '?'})"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))} in one only"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{where}.{k}" if where else str(k))]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
+    if type(a) is not type(b) or a != b:
+        if isinstance(a, float) and isinstance(b, float) and a != a and b != b:  # both NaN
+            return []
+        return [f"{where}: {a!r} vs {b!r}"]
+    return []
+
+
+def assert_same_training_state(ckpt: Path, reference: Path) -> None:
+    """The drafter's weights and the optimizer (with the scheduler, RNG streams, data order and
+    train state) in checkpoint `ckpt` are bit for bit those of `reference` (checkpoints or run dirs)."""
+    (ta, oa), (tb, ob) = checkpoint_payload(ckpt), checkpoint_payload(reference)
+    assert oa["train_state"]["step"] == ob["train_state"]["step"], (oa["train_state"], ob["train_state"])
+    diffs = _differences(ta, tb, "model") + _differences(oa, ob, "state")
+    assert not diffs, "\n".join(diffs[:20])
+    assert oa["optimizer"]["state"], "no optimizer state to compare"

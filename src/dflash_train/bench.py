@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.config import ModelConfig, TrainConfig
+from dflash_train.errors import UserError
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.pipeline.batch import TrainBatch
@@ -232,6 +233,17 @@ def bench_command(device: str, shape: str, out: Path | None, steps: int, dtype: 
     from rich.console import Console
     from rich.table import Table
 
+    # a mistake on the command line is one `error:` line and exit 2 (cli._guard), not a traceback
+    if shape not in SHAPES:
+        raise UserError(f"--shape {shape}: must be one of {', '.join(SHAPES)}")
+    if dtype not in (None, "float32", "bfloat16"):
+        raise UserError(f"--dtype {dtype}: must be float32 or bfloat16")
+    try:
+        torch.device(device)
+    except RuntimeError as e:
+        raise UserError(f"--device {device}: {e}") from None
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available")
     console = Console(stderr=True)
     res = run_bench(device, shape, steps, dtype, log=lambda m: console.print(m))
     table = Table(title=f"dflash-train bench ({res.device}, {res.dtype}, shape {res.shape})")

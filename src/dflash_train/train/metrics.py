@@ -10,7 +10,9 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -107,13 +109,15 @@ class MetricsLogger:
         self._refused: OSError | None = None
         self._tb = None
         self._tb_dir = RunDir(run_dir).tensorboard
+        self._thread_hook = None
         if enabled and tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional at run time: tensorboard installed
 
+                self._thread_hook = _QuietWriterThread.install()  # its writer thread starts in the constructor
                 self._tb = SummaryWriter(str(self._tb_dir), purge_step=start_step + 1)
             except Exception as e:  # noqa: BLE001 - TensorBoard is optional at run time
-                log.warning("TensorBoard disabled: %s", e)
+                self._tb_disabled(e)
         mode = progress
         if mode == "auto":
             mode = "rich" if sys.stderr.isatty() and os.environ.get("TERM") != "dumb" else "plain"
@@ -143,16 +147,23 @@ class MetricsLogger:
             try:
                 self._tensorboard(record, step)
             except Exception as e:  # noqa: BLE001 - a view: metrics.jsonl has the same numbers
-                log.warning("TensorBoard disabled: cannot write %s (%s)", self._tb_dir,
-                            cause_of(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}")
-                self._tb = None
+                self._tb_disabled(e)
         line = self.summary_line(record)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=line)
         elif self.mode == "plain":
             print(f"step {step}/{self.max_steps} {line}", file=sys.stderr, flush=True)
 
+    def _tb_disabled(self, e: BaseException) -> None:
+        """The one warning when TensorBoard cannot go on (a view: metrics.jsonl has the same numbers)."""
+        log.warning("TensorBoard disabled: cannot write %s (%s)", self._tb_dir,
+                    cause_of(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}")
+        self._tb = None
+
     def _tensorboard(self, record: dict[str, Any], step: int) -> None:
+        fault = self._thread_hook.fault if self._thread_hook is not None else None
+        if fault is not None:  # its writer thread died (a full disk): say so here, once
+            raise fault
         for k, v in record.items():
             if isinstance(v, (int, float)) and k != "step":
                 self._tb.add_scalar(k.replace(".", "/"), v, step)
@@ -206,6 +217,34 @@ class MetricsLogger:
             try:
                 self._tb.close()
             except Exception as e:  # noqa: BLE001 - a view (train/faults.py)
-                log.warning("TensorBoard: cannot write %s (%s)", self._tb_dir, e)
+                self._tb_disabled(e)
+        if self._thread_hook is not None:
+            self._thread_hook.uninstall()
         if self.enabled:
             self._write_held()  # lines still held stay for ensure_written
+
+
+class _QuietWriterThread:
+    """TensorBoard writes its event files from a thread of its own: an OSError there (a full disk)
+    would print that thread's traceback. This `threading.excepthook` keeps it for the logger to report
+    as its one warning; every other thread's exception goes to the previous hook."""
+
+    def __init__(self, previous) -> None:
+        self.previous, self.fault = previous, None
+
+    @classmethod
+    def install(cls) -> "_QuietWriterThread":
+        hook = cls(threading.excepthook)
+        threading.excepthook = hook
+        return hook
+
+    def uninstall(self) -> None:
+        if threading.excepthook is self:
+            threading.excepthook = self.previous
+
+    def __call__(self, args) -> None:
+        frames = traceback.extract_tb(args.exc_traceback) if args.exc_traceback is not None else []
+        if isinstance(args.exc_value, OSError) and any("tensorboard" in f.filename for f in frames):
+            self.fault = args.exc_value
+            return
+        self.previous(args)
