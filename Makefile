@@ -39,6 +39,8 @@ $(VLLM_STAMP):
 	# `import vllm` ("operator torchvision::nms does not exist") and nothing here needs them
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm"
+	# our plugin (plugins/vllm_dflash_lookup): DFlash with prompt lookup, off unless DFLASH_LOOKUP is set
+	$(VLLM_VENV)/bin/pip install -q --no-deps --no-build-isolation -e plugins/vllm_dflash_lookup
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)
