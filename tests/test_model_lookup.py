@@ -75,3 +75,13 @@ def test_seed_blocks_writes_proposals_over_masks_only_where_kept():
     kept = seed_blocks(blocks, ids, docs, anchors, keep=torch.tensor([[False, True]]))
     assert kept[0, 0].tolist() == [2, mask, mask, mask]
     assert blocks[0, 0].tolist() == [2, mask, mask, mask]  # the input is not changed
+
+
+def test_an_ngram_longer_than_the_row_finds_what_the_shorter_ones_find():
+    """max_ngram beyond the row length (a 2-token row, max_ngram 4) crashed with a shape mismatch."""
+    ids = torch.tensor([[5, 5]])
+    docs = torch.zeros_like(ids)
+    anchors = torch.tensor([[1]])
+    got = lookup_proposals(ids, docs, anchors, k=3, max_ngram=4)
+    assert torch.equal(got, lookup_proposals(ids, docs, anchors, k=3, max_ngram=1))
+    assert got[0, 0, 0].item() == 5  # 5 followed the earlier 5

@@ -30,8 +30,10 @@ def _shifted(x: torch.Tensor, j: int) -> torch.Tensor:
     """x[:, e - j] at every e (NO_TOKEN - 1 where e - j < 0, equal to no token)."""
     if j == 0:
         return x
+    T = x.shape[1]
+    j = min(j, T)  # an n-gram longer than the row: every position is before its start
     pad = x.new_full((x.shape[0], j), NO_TOKEN - 1)
-    return torch.cat([pad, x[:, :-j]], dim=1)
+    return torch.cat([pad, x[:, :T - j]], dim=1)
 
 
 def lookup_proposals(
