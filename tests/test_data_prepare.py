@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from dflash_train.config import load_config
 from dflash_train.data import DataError, cut_document, load_prepared, pack_documents, read_prepared
 from dflash_train.data.packing import Document
-from dflash_train.cli import prepare_command
+from dflash_train.data.prepare import prepare_command
 from dflash_train.data.sources import is_heldout, read_conversations
 from dflash_train.data.template import ChatFormat
 

@@ -8,7 +8,7 @@ import torch
 
 from dflash_train.config import TargetConfig, load_config
 from dflash_train.data import ChatFormat, load_prepared
-from dflash_train.data.regenerate import generate_answers, regenerate_conversations
+from dflash_train.data.regenerate import BatchedEngine, InProcess, generate_answers, regenerate_conversations
 from dflash_train.targets import load_target
 from conftest import write_tiny_jsonl
 
@@ -72,13 +72,13 @@ def test_regenerate_is_resumable(tmp_path, gemma_tiny, tiny_target_factory):
     out = tmp_path / "regen.jsonl"
     over = [f"target.path={tiny_target_factory('gemma3')}", f"data.source=jsonl:{src}", "data.max_tokens=256"]
     c1 = regenerate_conversations(load_config(None, over), out, max_conversations=3, max_new_tokens=4, batch_size=2,
-                                  temperature=0.0, target=gemma_tiny)
+                                  temperature=0.0, answerer=InProcess(lambda: gemma_tiny))
     assert c1["written"] + c1["empty_answer"] == 3
     first = out.read_text().splitlines()
     # a torn last line (interrupted write) is cut off and that conversation redone
     with out.open("a") as f:
         f.write('{"id": "tiny-0003", "conversa')
-    c2 = regenerate_conversations(load_config(None, over), out, gemma_tiny, None, 4, 2, 0.0)
+    c2 = regenerate_conversations(load_config(None, over), out, InProcess(lambda: gemma_tiny), None, 4, 2, 0.0)
     assert c2["already_done"] == c1["written"] and c2["written"] + c2["empty_answer"] == 5 - c1["written"]
     lines = out.read_text().splitlines()
     assert lines[:len(first)] == first
@@ -88,13 +88,17 @@ def test_regenerate_is_resumable(tmp_path, gemma_tiny, tiny_target_factory):
     for r in recs:
         assert [t["from"] for t in r["conversations"]][-1] == "gpt"
         assert r["regenerated"]["max_new_tokens"] == 4
-    c3 = regenerate_conversations(load_config(None, over), out, gemma_tiny, None, 4, 2, 0.0)
+    c3 = regenerate_conversations(load_config(None, over), out, InProcess(lambda: gemma_tiny), None, 4, 2, 0.0)
     assert c3["written"] == 0
     # the output trains: data.regenerated
     cfg = load_config(None, over + [f"data.regenerated={out}", "data.heldout_fraction=0", "model.block_size=2",
                                     f"data.cache_dir={tmp_path / 'cache'}"])
     data = load_prepared(cfg, gemma_tiny.tokenizer, "gemma3")
     assert data.stats["conversations_read"] == len(recs)
+
+
+def _engine(generate, target, chunk: int = 1024) -> BatchedEngine:
+    return BatchedEngine(generate, target.tokenizer, target.family, chunk)
 
 
 def test_a_rerun_with_only_too_long_prompts_left_starts_no_engine(tmp_path, gemma_tiny, tiny_target_factory):
@@ -109,10 +113,10 @@ def test_a_rerun_with_only_too_long_prompts_left_starts_no_engine(tmp_path, gemm
         calls.append(len(prompts))
         return [(list(p[-3:]), True) for p in prompts]  # the prompt's last tokens: some text
 
-    c1 = regenerate_conversations(load_config(None, over), out, gemma_tiny, 2, 4, 2, 0.0, generate=engine)
+    c1 = regenerate_conversations(load_config(None, over), out, _engine(engine, gemma_tiny), 2, 4, 2, 0.0)
     assert calls == [2] and c1["written"] == 2
     short = over[:-1] + ["data.max_tokens=8"]  # the two conversations left have prompts too long now
-    c2 = regenerate_conversations(load_config(None, short), out, gemma_tiny, None, 4, 2, 0.0, generate=engine)
+    c2 = regenerate_conversations(load_config(None, short), out, _engine(engine, gemma_tiny), None, 4, 2, 0.0)
     assert calls == [2] and c2["written"] == 0 and c2["prompt_too_long"] == 2
 
 
@@ -135,7 +139,7 @@ def test_an_engine_run_cut_off_keeps_the_chunks_before_it(tmp_path, gemma_tiny, 
         return [(list(p[-3:]), True) for p in prompts]
 
     with pytest.raises(UserError, match="did not finish"):
-        regenerate_conversations(cfg, out, gemma_tiny, None, 4, 2, 0.0, generate=dies_on_second_call, engine_chunk=2)
+        regenerate_conversations(cfg, out, _engine(dies_on_second_call, gemma_tiny, 2), None, 4, 2, 0.0)
     assert calls == [2, 2] and len(out.read_text().splitlines()) == 2
     calls.clear()
 
@@ -143,7 +147,7 @@ def test_an_engine_run_cut_off_keeps_the_chunks_before_it(tmp_path, gemma_tiny, 
         calls.append(len(prompts))
         return [(list(p[-3:]), True) for p in prompts]
 
-    c = regenerate_conversations(cfg, out, gemma_tiny, None, 4, 2, 0.0, generate=answers, engine_chunk=2)
+    c = regenerate_conversations(cfg, out, _engine(answers, gemma_tiny, 2), None, 4, 2, 0.0)
     assert calls == [2, 1] and c["already_done"] == 2 and c["written"] == 3
     ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
     assert len(ids) == 5 == len(set(ids))

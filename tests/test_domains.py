@@ -12,7 +12,7 @@ from dflash_train.config import TargetConfig, load_config
 from dflash_train.data import domains
 from dflash_train.data.benchmarks import load_humaneval, load_mtbench
 from dflash_train.data.prepare import cache_inputs, cache_key, read_source_conversations
-from dflash_train.data.regenerate import regenerate_conversations
+from dflash_train.data.regenerate import InProcess, regenerate_conversations
 from dflash_train.data.sources import DataError, is_heldout, read_conversations
 from dflash_train.targets import load_target
 from conftest import write_tiny_jsonl
@@ -107,7 +107,7 @@ def test_regenerate_answers_the_domain_prompts_and_they_train(tmp_path, tiny_tar
     over = [f"target.path={target_dir}", f"data.source=jsonl:{src}", "data.max_tokens=512",
             "data.domain_prompts.code=3", "data.heldout_fraction=0"]
     out = tmp_path / "regen.jsonl"
-    counts = regenerate_conversations(load_config(None, over), out, target, None, 4, 4, 0.0)
+    counts = regenerate_conversations(load_config(None, over), out, InProcess(lambda: target), None, 4, 4, 0.0)
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert counts["conversations"] == 7 and counts["empty_answer"] == 0 and len(recs) == 7
     code = [r for r in recs if r["id"].startswith("code:")]

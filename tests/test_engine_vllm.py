@@ -64,7 +64,7 @@ def replay_tau(export: Path, target_dir: str, prompts: list[str], outputs: list[
     from dflash_train.eval.prompts import encode_prompts
     from dflash_train.eval.replay import replay_acceptance
     from dflash_train.eval.specdec import tau_of
-    from dflash_train.export import resolve_drafter_source
+    from dflash_train.checkpoint.source import resolve_drafter_source
     from dflash_train.model.dflash2 import build_drafter
     from dflash_train.targets import load_target
 

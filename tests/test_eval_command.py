@@ -123,9 +123,9 @@ def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
 
     convs, _ = read_conversations(f"jsonl:{data}", None)
     expect = [c.prompt for c in convs if is_heldout(c, 0.3)][:2]  # all short: none skipped for length
-    from dflash_train.eval import command as C
+    from dflash_train.eval.source import heldout_from_run
 
-    assert C.heldout_from_run(rc, t, 2) == expect
+    assert heldout_from_run(rc, t, 2) == expect
 
 
 def test_in_training_eval_scores_the_final_evals_prompts(setup, tmp_path):
@@ -133,9 +133,9 @@ def test_in_training_eval_scores_the_final_evals_prompts(setup, tmp_path):
     `eval --prompts heldout`, compare and the demo score (`eval_prompts`): the held-out prompts of
     data.source, not those of the regenerated file (which holds other conversations)."""
     from dflash_train.data.sources import is_heldout, read_conversations
-    from dflash_train.eval import command as C
     from dflash_train.eval.in_training import HeldoutEval
     from dflash_train.eval.prompts import eval_prompts
+    from dflash_train.eval.source import heldout_from_run
     from dflash_train.train.eval_hook import InTrainingEval
 
     t = setup[0]
@@ -158,7 +158,7 @@ def test_in_training_eval_scores_the_final_evals_prompts(setup, tmp_path):
     assert [c.prompt for c in regen if is_heldout(c, 0.3)][:3] != want  # the old in-training choice differed
     hook = InTrainingEval(rc, HeldoutEval(rc), is_leader=True)
     hook.pick_prompts(t)
-    assert hook.prompts == want == eval_prompts(rc, t) == C.heldout_from_run(rc, t, 3)
+    assert hook.prompts == want == eval_prompts(rc, t) == heldout_from_run(rc, t, 3)
 
 
 def test_targets_implement_the_declared_target_interface(setup):
@@ -337,3 +337,43 @@ def test_demo_summary_of_a_seeded_drafter_shows_its_masks_only_tau(setup, tmp_pa
     run.mkdir()
     report = write_report(run, summary).read_text()
     assert "same drafter from masks only" in report and "blocks seeded by prompt lookup" in report
+
+
+def test_eval_and_serve_bench_find_one_run_config_for_an_export_in_its_run(setup, tmp_path):
+    """One rule (checkpoint.source.run_config_of) finds the run config of a drafter: an export at
+    RUN/export (no run dir of its own) has its parent's config, so `eval` and `serve-bench` (which
+    both open a drafter through eval.source.open_drafter) score the same held-out prompts. No vLLM."""
+    from dflash_train.checkpoint.source import resolve_drafter_source, run_config_of
+    from dflash_train.engine import serve_bench
+    from dflash_train.eval import command
+    from dflash_train.eval.source import heldout_from_run, open_drafter
+
+    t, dr, tdir, *_ = setup
+    run = tmp_path / "run"
+    run.mkdir()
+    data = tmp_path / "convs.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
+        {"from": "gpt", "value": f"It is {2 * i}."}]}) + "\n" for i in range(40)))
+    rc = RunConfig()
+    rc.target.path, rc.target.device = str(tdir), "cpu"
+    rc.data.source, rc.data.heldout_fraction = f"jsonl:{data}", 0.3
+    save_config(rc, run / "config.yaml")
+    exp = write_export(dr.cfg, dr.state_dict(), run / "export", provenance={"target_path": str(tdir)})
+    src = resolve_drafter_source(exp)
+    assert src.kind == "export" and src.run_dir is None  # only the rule's parent step finds the run
+    assert run_config_of(src) is not None and run_config_of(src).data.source == rc.data.source
+    assert command.open_drafter is serve_bench.open_drafter is open_drafter  # both commands use the one rule
+    d = open_drafter(exp)
+    assert d.run_cfg.data.source == rc.data.source and d.target == rc.target  # the run's own target config
+    expect = heldout_from_run(rc, t, 3)
+    assert len(expect) == 3 and d.heldout(t, 3) == expect
+    # an export elsewhere that records its source checkpoint: found through that run
+    elsewhere = write_export(dr.cfg, dr.state_dict(), tmp_path / "out",
+                             provenance={"target_path": str(tdir), "source": str(run / "checkpoints" / "step-4")})
+    assert open_drafter(elsewhere).heldout(t, 3) == expect
+    # no run anywhere: none, and held-out prompts are one line
+    lone = write_export(dr.cfg, dr.state_dict(), tmp_path / "lone" / "x", provenance={"target_path": str(tdir)})
+    assert open_drafter(lone).run_cfg is None
+    with pytest.raises(UserError, match="--prompts heldout needs"):
+        open_drafter(lone).heldout(t, 3)

@@ -16,7 +16,8 @@ from dflash_train.model.dflash2 import build_drafter
 from dflash_train.targets import load_target
 from specdec_fakes import bias_target_towards, slot_prediction
 
-dflash = pytest.importorskip("dflash")
+# the reference package is installed by `make test` (Makefile): a broken install fails here, never skips
+import dflash  # noqa: E402
 import dflash.model as dm  # noqa: E402
 
 PROMPTS = ["Hello! How can I help", "The quick brown fox", "Write a short poem about the sea."]

@@ -14,12 +14,11 @@ from safetensors.torch import load_file
 from dflash_train.checkpoint.manager import CheckpointManager
 from dflash_train.cli import UserError
 from dflash_train.config import RunConfig, save_config
+from dflash_train.checkpoint.source import load_export, resolve_drafter_source
 from dflash_train.export import (
     expected_tensor_names,
     export_checkpoint,
     hf_config_dict,
-    load_export,
-    resolve_drafter_source,
     write_export,
 )
 from dflash_train.model import DFlashDrafter, DrafterConfig

@@ -310,7 +310,8 @@ def test_export_loads_in_the_reference_dflash2_model(tmp_path):
 
     from safetensors import safe_open
 
-    from dflash_train.export import load_export, write_export
+    from dflash_train.checkpoint.source import load_export
+    from dflash_train.export import write_export
     from dflash_train.report import model_card
 
     layer_types = ("full_attention", "sliding_attention")

@@ -106,7 +106,7 @@ def test_export_config_builds_the_reference(layer_types, W):
     from dflash_train.model.hf_config import drafter_config_from_hf, hf_config_dict
 
     d = hf_config_dict(ours.cfg)  # the one definition of the exported config
-    assert drafter_config_from_hf(d) == ours.cfg  # and its one reader (export.load_export's)
+    assert drafter_config_from_hf(d) == ours.cfg  # and its one reader (checkpoint.source.load_export's)
     ref = DFlashDraftModel(Qwen3Config(**d)).eval()
     missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("rotary_emb.") for k in missing)

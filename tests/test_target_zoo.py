@@ -27,7 +27,8 @@ from zoo import available, build_zoo_target
 from dflash_train.config import ModelConfig, TargetConfig, load_config
 from dflash_train.data.template import ChatFormat
 from dflash_train.eval.specdec import plain_generate, speculative_generate
-from dflash_train.export import export_checkpoint, load_export, serving_warnings
+from dflash_train.checkpoint.source import load_export
+from dflash_train.export import export_checkpoint, serving_warnings
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.serving_check import check_export, target_facts
 from dflash_train.targets import load_target

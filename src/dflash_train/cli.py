@@ -96,45 +96,6 @@ def demo(
 # --------------------------------------------------------------------------- data
 
 
-def prepare_command(cfg, out: Path | None) -> Path:
-    """`dflash-train prepare-data`: tokenise + template + loss-mask once, into
-    `out` (default: the cache directory load_prepared will look in)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from dflash_train.data.prepare import build_prepared, cache_inputs, load_prepared, save_prepared
-    from dflash_train.targets import load_tokenizer
-
-    console = Console(stderr=True)
-    tokenizer, family = load_tokenizer(cfg.target)
-    with Progress(TextColumn("[bold]preparing[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=False) as bar:
-        task = bar.add_task(cfg.data.regenerated or cfg.data.source, total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        if out is None:
-            data = load_prepared(cfg, tokenizer, family, progress)
-            dest = data.path
-        else:
-            inputs = cache_inputs(cfg, tokenizer, family)
-            data = build_prepared(cfg, tokenizer, family, progress)
-            dest = save_prepared(data, Path(out), inputs)
-    s = data.stats
-    skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.get("skipped", {}).items())) or "none"
-    console.print(
-        f"{s['conversations_read']} conversations ({s['train_conversations']} train, {s['heldout_conversations']} held out), "
-        f"skipped: {skipped}; {s['rows']} rows x {s['max_tokens']} tokens, fill {s['fill']:.2f}, "
-        f"{s['supervised_tokens']} supervised tokens, {s['dropped_documents']} short documents dropped"
-        + (f"; source file cut off at item {s['truncated_item']['index']}" if s.get("truncated_item") else "")
-        + (" (cached)" if s.get("cache") == "hit" else "")
-    )
-    print(dest)
-    return Path(dest) if dest else Path(".")
-
-
-
 @app.command("prepare-data")
 def prepare_data(
     overrides: List[str] = typer.Argument(None),
@@ -144,6 +105,8 @@ def prepare_data(
     """Tokenise + template + loss-mask once into a cached dataset on disk."""
 
     def go():
+        from dflash_train.data.prepare import prepare_command
+
         prepare_command(_load_config(config, overrides), out)
 
     _guard(go)
@@ -172,40 +135,32 @@ def regenerate(
     """Rewrite assistant turns with the target itself (greedy, batched, resumable)."""
 
     def go():
-        from dflash_train.data.regenerate import regenerate_conversations
-        from dflash_train.targets import TokenizerOnly, load_target, load_tokenizer, served_target_dir
+        from dflash_train.data.regenerate import BatchedEngine, EndpointFleet, InProcess, regenerate_conversations
+        from dflash_train.targets import load_target, load_tokenizer, served_target_dir
 
         cfg = _load_config(config, overrides)
         if engine not in ("trainer", "vllm"):
             raise UserError(f"--engine {engine!r}: choose trainer or vllm")
+        # the target loads only when some conversation still needs an answer
+        answerer = InProcess(lambda: load_target(cfg.target))
         if endpoint or local_servers:
             from dflash_train.data.endpoints import FleetSpec
+            from dflash_train.engine.local_servers import LocalServers
 
             if engine == "vllm":
                 raise UserError("--engine vllm is one batched run in this process; --endpoint / --local-servers "
                                 "answer through servers: choose one")
             # bad URLs or N: one line before any work; the servers start only when answers are needed
-            servers = None
-            if local_servers:
-                from dflash_train.engine.local_servers import LocalServers
-
-                servers = LocalServers(cfg.target.path, local_servers, log=typer.echo)
+            servers = LocalServers(cfg.target.path, local_servers, log=typer.echo) if local_servers else None
             spec = FleetSpec(endpoint or [], (lambda: servers) if servers else None, max_in_flight, endpoint_wait)
-            tok, family = load_tokenizer(cfg.target)
-            regenerate_conversations(cfg, out, TokenizerOnly(tok, family), None, max_new_tokens, batch_size,
-                                     temperature, fleet=spec, top_p=top_p)
-            return
-        if engine == "vllm":
+            answerer = EndpointFleet(spec, *load_tokenizer(cfg.target))
+        elif engine == "vllm":
             from dflash_train.engine.vllm_process import vllm_answers
 
             tok, family = load_tokenizer(cfg.target)
-            generate = vllm_answers(served_target_dir(cfg.target.path), log=typer.echo)
-            regenerate_conversations(cfg, out, TokenizerOnly(tok, family), None, max_new_tokens, batch_size,
-                                     temperature, generate=generate)
-            return
-        # the target loads only when some conversation still needs an answer
-        regenerate_conversations(cfg, out, lambda: load_target(cfg.target), None, max_new_tokens, batch_size, temperature,
-                                 top_p=top_p)
+            answerer = BatchedEngine(vllm_answers(served_target_dir(cfg.target.path), log=typer.echo), tok, family)
+        regenerate_conversations(cfg, out, answerer, None, max_new_tokens, batch_size, temperature,
+                                 top_p=1.0 if engine == "vllm" else top_p)  # a vLLM run is greedy
 
     _guard(go)
 

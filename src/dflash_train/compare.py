@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 import torch
 
+from dflash_train.checkpoint.source import resolve_drafter_source
 from dflash_train.config import ConfigError, load_config
 from dflash_train.data.sources import read_conversations
 from dflash_train.engine.k_sweep import check_k
@@ -54,11 +55,12 @@ from dflash_train.errors import UserError
 from dflash_train.eval.ngram import PromptLookup
 from dflash_train.eval.prompts import encode_prompts, eval_prompts
 from dflash_train.eval.replay import replay_acceptance
+from dflash_train.eval.source import load_drafter
 from dflash_train.eval.specdec import plain_generate
 from dflash_train.eval.tau import evaluate_tau
-from dflash_train.export import export_checkpoint, resolve_drafter_source
+from dflash_train.export import export_checkpoint
 from dflash_train.model.acceptance import walk_acceptance
-from dflash_train.model.dflash2 import build_drafter
+from dflash_train.results import fmt, lossless_cell
 from dflash_train.rundir import read_metrics, read_record
 from dflash_train.seeds import paired_summary, run_name
 from dflash_train.targets import load_target, served_target_dir
@@ -229,9 +231,7 @@ def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: in
                   k: int | None = None) -> dict[str, Any]:
     """k: draft tokens per block scored (None: block_size - 1), the --k the engine serves at."""
     src = resolve_drafter_source(run_dir)
-    drafter = build_drafter(src.config).to(target.device)
-    drafter.load_state_dict(src.state_dict)
-    drafter.eval()
+    drafter = load_drafter(src, target.device)
     k = k or int(src.config.block_size) - 1
     row: dict[str, Any] = {"tau_heldout": drafter_tau(drafter, target, held, k=k), "tau_ngram_heldout": ngram_tau(held, k)}
     if src.config.block_seeds != "none":  # what engines that do not seed the blocks get from it
@@ -264,7 +264,7 @@ def print_table(results: dict[str, dict], decode: bool, engine: bool = False) ->
         t.add_column(c, justify="left" if c == "variant" else "right")
 
     def f(v, spec=".2f"):
-        return "-" if v is None else format(v, spec)
+        return fmt(v, spec, "-")
 
     for name, r in results.items():
         cells = [name, str(r.get("steps") or 0), f(r.get("train_s"), ".0f"), f(r.get("tok_s"), ".0f"),
@@ -275,10 +275,11 @@ def print_table(results: dict[str, dict], decode: bool, engine: bool = False) ->
             d = r.get("decode") or {}
             cells += [f(d.get("tokens_per_s_plain"), ".1f"), f(d.get("tokens_per_s_spec"), ".1f"),
                       f(d.get("tokens_per_s_ngram"), ".1f"),
-                      "-" if not d else str(bool(d.get("outputs_match")) and bool(d.get("outputs_match_ngram")))]
+                      "-" if not d else lossless_cell(bool(d.get("outputs_match")) and bool(d.get("outputs_match_ngram")))]
         if engine:
             cells += [str(r.get("k_engine") or "-"), f(r.get("tau_engine"), ".3f"), f(r.get("tau_engine_ngram"), ".3f"),
-                      f(r.get("tokens_per_s_engine"), ".1f"), f(r.get("speedup_engine")), str(r.get("lossless_engine"))]
+                      f(r.get("tokens_per_s_engine"), ".1f"), f(r.get("speedup_engine")),
+                      lossless_cell(r.get("lossless_engine"), "-")]
         t.add_row(*cells)
     Console(width=200).print(t)
 

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+from dataclasses import dataclass
+
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
@@ -102,8 +104,30 @@ class TargetConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 
+@dataclass(frozen=True)
+class DataSource:
+    """``data.source`` parsed, THE reading of its kind (`DataConfig.parsed_source`; YAML keeps the string)."""
+    kind: str  # sharegpt | jsonl | hf | prepared | precomputed
+    path: str  # the file / directory (jsonl, prepared, precomputed), the dataset (hf), "" (sharegpt)
+
+    @property
+    def has_conversations(self) -> bool:  # prepared / precomputed hold rows / features
+        return self.kind in ("sharegpt", "jsonl", "hf")
+
+    @property
+    def local_path(self) -> Path | None:  # None: sharegpt's package, the hf hub
+        return Path(self.path).expanduser() if self.kind in ("jsonl", "prepared", "precomputed") else None
+
+    @classmethod
+    def parse(cls, spec: str) -> "DataSource":
+        kind, sep, path = spec.partition(":")
+        if spec == "sharegpt" or (sep and path and kind in ("jsonl", "hf", "prepared", "precomputed")):
+            return cls(kind, path)
+        raise ValueError(f"unknown source {spec!r}; use one of sharegpt, jsonl:PATH, hf:NAME, prepared:DIR, precomputed:DIR")
+
+
 class DataConfig(_Section):
-    # sharegpt | jsonl:PATH | hf:NAME | prepared:DIR | precomputed:DIR
+    # sharegpt | jsonl:PATH | hf:NAME | prepared:DIR | precomputed:DIR (read through `parsed_source`)
     source: str = "sharegpt"
     limit: int | None = Field(2000, ge=1)
     max_tokens: int = Field(256, ge=8)
@@ -121,15 +145,16 @@ class DataConfig(_Section):
     # prompts in the benchmark suites' domains appended after `source`'s conversations
     # (data/domains.py): {"code": N, "passages": M}; the target answers them like the rest
     domain_prompts: dict[Literal["code", "passages"], NonNegativeInt] = Field(default_factory=dict)
-    num_workers: int = Field(0, ge=0)
 
     @field_validator("source")
     @classmethod
     def _source(cls, v: str) -> str:
-        kinds = ("sharegpt", "jsonl:", "hf:", "prepared:", "precomputed:")
-        if not (v == "sharegpt" or any(v.startswith(k) and len(v) > len(k) for k in kinds[1:])):
-            raise ValueError(f"unknown source {v!r}; use one of sharegpt, jsonl:PATH, hf:NAME, prepared:DIR, precomputed:DIR")
+        DataSource.parse(v)
         return v
+
+    @property
+    def parsed_source(self) -> DataSource:
+        return DataSource.parse(self.source)
 
 
 class TrainConfig(_Section):
@@ -292,10 +317,6 @@ class RunConfig(_Section):
 # --------------------------------------------------------------------------- loading
 
 
-def _fields_of(model_cls: type[BaseModel]) -> list[str]:
-    return list(model_cls.model_fields)
-
-
 def _section_class(path: list[str]) -> type[BaseModel] | None:
     cls: type[BaseModel] = RunConfig
     for part in path:
@@ -319,7 +340,7 @@ def _describe(err: ValidationError, origin: str) -> str:
         key = ".".join(loc)
         if e["type"] == "extra_forbidden":
             cls = _section_class(loc[:-1])
-            hint = _suggest(loc[-1], _fields_of(cls)) if cls else ""
+            hint = _suggest(loc[-1], list(cls.model_fields)) if cls else ""
             lines.append(f"unknown key '{key}'{hint}")
         else:
             got = e.get("input")
@@ -349,7 +370,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         for i, p in enumerate(parts[:-1]):
             cls = _section_class(parts[: i])
             if cls is not None and p not in cls.model_fields:
-                raise ConfigError(f"unknown key '{'.'.join(parts[: i + 1])}'{_suggest(p, _fields_of(cls))}")
+                raise ConfigError(f"unknown key '{'.'.join(parts[: i + 1])}'{_suggest(p, list(cls.model_fields))}")
             nxt = node.setdefault(p, {})
             if not isinstance(nxt, dict):
                 raise ConfigError(f"override {text!r}: '{'.'.join(parts[: i + 1])}' is not a section")
@@ -377,9 +398,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return validate_config(data, origin)
 
 
-# keys earlier versions wrote into every config.yaml (test knobs, now installed by the tests):
-# dropped when a file is read, so run dirs made by those versions still resume
-RETIRED_KEYS = (("train", "step_delay_seconds"), ("checkpoint", "test_delay_seconds"))
+# keys earlier versions wrote into every config.yaml (test knobs, now installed by the tests; data.num_workers,
+# read by nothing): dropped when a file is read, so run dirs made by those versions still resume
+RETIRED_KEYS = (("train", "step_delay_seconds"), ("checkpoint", "test_delay_seconds"), ("data", "num_workers"))
 
 
 def _drop_retired(data: dict[str, Any]) -> dict[str, Any]:

@@ -33,8 +33,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_train.config import RunConfig
+from dflash_train.checkpoint.source import resolve_drafter_source
 from dflash_train.data import load_prepared
-from dflash_train.data.regenerate import regenerate_conversations
+from dflash_train.data.regenerate import BatchedEngine, InProcess, regenerate_conversations
 from dflash_train.errors import UserError
 from dflash_train.engine.k_sweep import AUTO, check_k, print_sweep, sweep_k
 from dflash_train.engine.measure import measurement, serve_methods
@@ -44,14 +45,14 @@ from dflash_train.engine.vllm_process import vllm_answers
 from dflash_train.eval.in_training import HeldoutEval
 from dflash_train.eval.prompts import chat_format, encode_prompts, eval_prompts
 from dflash_train.eval.replay import replay_acceptance
+from dflash_train.eval.source import load_drafter
 from dflash_train.eval.specdec import tau_of
 from dflash_train.eval.suite_bench import print_suite_tables, suite_items, target_answers
 from dflash_train.eval.suites import SUITE_NAMES, all_turns
 from dflash_train.eval.tau import evaluate_tau
-from dflash_train.export import export_checkpoint, resolve_drafter_source
-from dflash_train.model.dflash2 import build_drafter
-from dflash_train.model.drafter import DrafterConfig
-from dflash_train.report import comparison_rows, explanation, fmt_num, write_report
+from dflash_train.export import export_checkpoint
+from dflash_train.results import fmt
+from dflash_train.report import comparison_rows, explanation, write_report
 from dflash_train.targets import load_target, served_target_dir
 from dflash_train.train.run import run_training
 
@@ -118,7 +119,7 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
     t.add_column("tokens/s", justify="right")
     t.add_column("speedup vs plain", justify="right")
     for r in comparison_rows(summary):
-        t.add_row(r.method, fmt_num(r.tau, ".3f"), fmt_num(r.tokens_per_s, ".2f"), fmt_num(r.speedup, ".2f", "x"))
+        t.add_row(r.method, fmt(r.tau, ".3f"), fmt(r.tokens_per_s, ".2f"), fmt(r.speedup, ".2f", suffix="x"))
     out.print(t)
     for line in explanation(summary):
         out.print(f"  {line}", markup=False)
@@ -145,12 +146,13 @@ def engine_summary(engine: dict, replay_tau: float | None, **extra) -> dict:
 
 def _regenerate(cfg: RunConfig, target, out: Path) -> None:
     demo = cfg.demo
-    generate = None
+    answerer = InProcess(lambda: target)
     if demo.regenerate_engine == "vllm":
-        generate = vllm_answers(served_target_dir(cfg.target.path), log=lambda m: console.print(m, markup=False))
-    regenerate_conversations(cfg, out, max_conversations=demo.regenerate_conversations,
-                             max_new_tokens=demo.regenerate_tokens, batch_size=demo.regenerate_batch,
-                             temperature=0.0, target=target, generate=generate)
+        answerer = BatchedEngine(vllm_answers(served_target_dir(cfg.target.path),
+                                              log=lambda m: console.print(m, markup=False)),
+                                 target.tokenizer, target.family)
+    regenerate_conversations(cfg, out, answerer, max_conversations=demo.regenerate_conversations,
+                             max_new_tokens=demo.regenerate_tokens, batch_size=demo.regenerate_batch, temperature=0.0)
 
 
 def judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path) -> dict:
@@ -175,10 +177,7 @@ def judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path) -> dict:
                              ("plain", "ngram", "dflash"), k, log=log)
     engine = measurement(raw, job, range(len(ids)), time.perf_counter() - t0)
     suites = suite_result(raw, job, suite_prompts, names, cfg.demo.suite_prompts, offset=len(ids)) if names else None
-    src = resolve_drafter_source(export_dir)
-    drafter = build_drafter(src.config, seed=cfg.train.seed)
-    drafter.load_state_dict(src.state_dict)
-    drafter.to(target.device).eval()
+    drafter = load_drafter(resolve_drafter_source(export_dir), target.device, seed=cfg.train.seed)
     acc: list[int] = []
     for p, out in zip(ids, engine["outputs"].get("plain", [])):
         acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=engine["k"])
@@ -242,11 +241,10 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     else:
         t0 = _phase(5, f"eval: tau by real speculative decoding, {len(prompts)} held-out prompts, "
                        f"{cfg.eval.max_new_tokens} new tokens each")
-        trained = build_drafter(src.config, seed=cfg.train.seed)
-        trained.load_state_dict(src.state_dict)
-        untrained = build_drafter(DrafterConfig.from_dict(src.config.to_dict()), seed=cfg.train.seed)
-        res_trained = _eval(trained.eval(), target, prompts, cfg, True, "trained", measure_ngram=True)
-        res_untrained = _eval(untrained.eval(), target, prompts, cfg, False, "untrained")
+        trained = load_drafter(src, seed=cfg.train.seed)
+        untrained = load_drafter(src, seed=cfg.train.seed, untrained=True)
+        res_trained = _eval(trained, target, prompts, cfg, True, "trained", measure_ngram=True)
+        res_untrained = _eval(untrained, target, prompts, cfg, False, "untrained")
         console.print(f"tau trained {res_trained['tau']:.3f} vs untrained {res_untrained['tau']:.3f} vs prompt "
                       f"lookup {res_trained['tau_ngram']:.3f} (greedy outputs identical to plain decoding: "
                       f"{res_trained.get('outputs_match')}, prompt lookup {res_trained.get('outputs_match_ngram')}) "

@@ -17,11 +17,11 @@ see /work/shared/dflash-method.md "Export":
   ``lm_head.weight`` (the target's rows of those ids, in that order) and ``d2t`` (int64
   offsets: target id = draft id + d2t[draft id]), with ``draft_vocab_size`` in config.json.
 
-Here: the files both ways (``write_export`` into a directory ``check_out_dir``
-allows, ``load_export``; config.json's keys are mapped in ONE place, `model/hf_config.py`), and `export_checkpoint`, which joins the pieces: the
-drafter of a run or checkpoint (checkpoint/source.py), the run summary and model
-card README.md (report.py), the files. `resolve_drafter_source` reads an export
-dir or a checkpoint (what `eval` takes).
+Here: the writer only (``write_export`` into a directory ``check_out_dir`` allows;
+config.json's keys are mapped in ONE place, `model/hf_config.py`), and `export_checkpoint`,
+which joins the pieces: the drafter of a run or checkpoint, the run summary and model card
+README.md (report.py), the files. Reading an export (or a checkpoint) is checkpoint/source.py's
+(`resolve_drafter_source`, `load_export`).
 """
 from __future__ import annotations
 
@@ -34,87 +34,31 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
-from dflash_train.checkpoint.source import DrafterSource, clean_state_dict, resolve_checkpoint_source
+from dflash_train.checkpoint.source import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    clean_state_dict,
+    load_export,
+    resolve_drafter_source,
+)
 from dflash_train.config import TargetConfig
 from dflash_train.errors import UserError
-from dflash_train.model.dflash2 import export_shapes, from_export_names, to_export_names
-from dflash_train.model.hf_config import drafter_config_from_hf, hf_config_dict
+from dflash_train.model.dflash2 import export_shapes, to_export_names
+from dflash_train.model.hf_config import hf_config_dict
 from dflash_train.report import model_card, run_summary
-from dflash_train.rundir import MANIFEST_FILE, holds_checkpoints, is_checkpoint_dir, is_run_dir
+from dflash_train.rundir import holds_checkpoints, is_checkpoint_dir, is_run_dir
 from dflash_train.serving_check import D2T, check_config, check_export, draft_vocab_shapes, target_facts
 from dflash_train.storage import writing
 from dflash_train.targets.head_only import load_head_only_target
 from dflash_train.utils import save_safetensors
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 README_FILE = "README.md"
 
 
 def _err(msg: str) -> Exception:
     """An error the CLI prints as one line (UserError) without a traceback."""
     return UserError(msg)
-
-
-def is_export_dir(path: Path) -> bool:
-    path = Path(path)
-    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file() and not (path / MANIFEST_FILE).exists()
-
-
-def load_export(path: str | Path):
-    """(DrafterConfig, state_dict) of an export dir (config.json + model.safetensors)."""
-    src = load_export_source(Path(path))
-    return src.config, src.state_dict
-
-
-def load_export_source(path: Path) -> DrafterSource:
-    cfg_file = path / CONFIG_FILE
-    if not cfg_file.is_file():
-        raise _err(f"{cfg_file}: missing (not an export dir)")
-    try:
-        d = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        raise _err(f"{cfg_file}: not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise _err(f"{cfg_file}: not a JSON object")
-    try:
-        cfg = drafter_config_from_hf(d)
-    except KeyError as e:
-        raise _err(f"{cfg_file}: missing key {e.args[0]!r}; not a DFlash drafter config") from None
-    except (TypeError, ValueError) as e:
-        raise _err(f"{cfg_file}: invalid DFlash drafter config: {e}") from None
-    wf = path / WEIGHTS_FILE
-    if not wf.is_file():
-        raise _err(f"{wf}: missing")
-    try:
-        sd = load_file(str(wf))
-    except Exception as e:  # noqa: BLE001 - name the file
-        raise _err(f"{wf}: cannot load: {e}") from None
-    prov = d.get("dflash_train") or {}
-    if cfg.draft_vocab_size and D2T in sd:
-        sd["draft_vocab"] = sd.pop(D2T) + torch.arange(cfg.draft_vocab_size)
-    return DrafterSource(
-        kind="export", path=path, config=cfg, state_dict=from_export_names(clean_state_dict(sd)), step=prov.get("step"),
-        target_path=prov.get("target_path"), meta=prov,
-    )
-
-
-def resolve_drafter_source(path: str | Path, prefer_best: bool = False) -> DrafterSource:
-    """An export dir, or what `checkpoint.source.resolve_checkpoint_source` finds: RUN_DIR
-    (checkpoints/latest, or `best` with prefer_best), a checkpoint dir, RUN_DIR/checkpoints,
-    ``RUN_DIR/best`` / ``RUN_DIR/latest``. Raises the CLI's UserError (one clear line) otherwise."""
-    p = Path(path)
-    if p.is_dir() and not (p / MANIFEST_FILE).is_file() and (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file():
-        return load_export_source(p)
-    src = resolve_checkpoint_source(p, prefer_best=prefer_best)
-    if src is None:
-        raise _err(
-            f"{p}: not a run dir (no checkpoints/latest), checkpoint dir (no manifest.json) "
-            f"or export dir (no config.json + model.safetensors)"
-        )
-    return src
 
 
 # --------------------------------------------------------------------------- export

@@ -5,14 +5,23 @@ demo also prints at the end."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from dflash_train import rundir
 from dflash_train.model.dflash2 import SERVING_NOTE
+from dflash_train.model.drafter_config import DrafterConfig
 from dflash_train.serving_check import embedding_scale_warning, launch_commands
-from dflash_train.results import ENGINE_COLUMNS, MethodRow, engine_cells, engine_rows, plain_row
+from dflash_train.results import (
+    ENGINE_COLUMNS,
+    MethodRow,
+    engine_cells,
+    engine_rows,
+    fmt,
+    lossless_cell,
+    lossless_of,
+    plain_row,
+)
 
 
 EXPLANATION = [
@@ -80,12 +89,6 @@ def comparison_rows(summary: dict[str, Any]) -> list[MethodRow]:
     if plain is not None:
         rows.append(plain_row(plain, "plain decoding (the target alone)"))
     return rows
-
-
-def fmt_num(v: Any, spec: str, suffix: str = "") -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "n/a"
-    return format(v, spec) + suffix
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -168,20 +171,16 @@ def suite_lines(suites: dict[str, Any] | None) -> list[str]:
         return []
 
     def lossless(g: dict[str, Any]) -> str:
-        verdicts = [(n, g.get(key)) for n, key in (("DFlash", "lossless"), ("n-gram", "lossless_ngram"))]
-        if any(v is None for _, v in verdicts):
-            return "n/a"
-        bad = [n for n, v in verdicts if not v]
-        return "yes" if not bad else "NO (" + ", ".join(bad) + ")"
+        return lossless_of([("DFlash", g.get("lossless")), ("n-gram", g.get("lossless_ngram"))], "n/a")
 
     lines = ["", f"### Per benchmark suite (same engines, k {suites.get('k')})", "",
              "| suite | prompts | DFlash tau (engine) | n-gram tau | DFlash vs plain | n-gram vs plain | lossless |",
              "|---|---|---|---|---|---|---|"]
     for g in suites.get("groups", []):
         if g.get("category") is None:
-            lines.append(f"| {g['suite']} | {g['num_prompts']} | {fmt_num(g.get('tau'), '.3f')} | "
-                         f"{fmt_num(g.get('tau_ngram'), '.3f')} | {fmt_num(g.get('speedup'), '.2f', 'x')} | "
-                         f"{fmt_num(g.get('speedup_ngram'), '.2f', 'x')} | {lossless(g)} |")
+            lines.append(f"| {g['suite']} | {g['num_prompts']} | {fmt(g.get('tau'), '.3f')} | "
+                         f"{fmt(g.get('tau_ngram'), '.3f')} | {fmt(g.get('speedup'), '.2f', suffix='x')} | "
+                         f"{fmt(g.get('speedup_ngram'), '.2f', suffix='x')} | {lossless(g)} |")
     return lines + ["", f"{suites.get('num_prompts_per_suite')} items per suite (z-lab's order; MT-Bench: both turns, "
                         "the second after the target's own greedy first answer), <= "
                         f"{suites.get('max_new_tokens')} new tokens: a few prompts, a rough reading per domain."]
@@ -194,9 +193,9 @@ def sweep_lines(sweep: dict[str, Any] | None) -> list[str]:
     lines = ["", f"### k chosen by a short sweep: {sweep['k']}", "", "| k | tau | tok/s | vs plain | lossless |",
              "|---|---|---|---|---|"]
     for r in sweep["rows"]:
-        ok = "n/a" if r.get("lossless") is None else ("yes" if r["lossless"] else "NO")
-        lines.append(f"| {r['k']}{' (chosen)' if r['k'] == sweep['k'] else ''} | {fmt_num(r.get('tau'), '.3f')} | "
-                     f"{fmt_num(r.get('tokens_per_s'), '.2f')} | {fmt_num(r.get('speedup'), '.2f', 'x')} | {ok} |")
+        ok = lossless_cell(r.get("lossless"), "n/a")
+        lines.append(f"| {r['k']}{' (chosen)' if r['k'] == sweep['k'] else ''} | {fmt(r.get('tau'), '.3f')} | "
+                     f"{fmt(r.get('tokens_per_s'), '.2f')} | {fmt(r.get('speedup'), '.2f', suffix='x')} | {ok} |")
     return lines + ["", f"{sweep['num_prompts']} prompts x <= {sweep['max_new_tokens']} tokens per k, one engine start "
                         "each; the fastest by tok/s (ties: the smaller k). Short: differences of a few % are noise."]
 
@@ -213,15 +212,15 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         for row in engine_rows(eng):
             lines.append("| " + " | ".join(engine_cells(row, missing="n/a", speedup_suffix="x")) + " |")
         lines += ["", f"Our replay tau of the same drafter on plain vLLM's outputs: "
-                      f"{fmt_num(summary.get('tau_replay_dflash'), '.3f')} (engine: "
-                      f"{fmt_num(summary.get('tau_engine_dflash'), '.3f')})."]
+                      f"{fmt(summary.get('tau_replay_dflash'), '.3f')} (engine: "
+                      f"{fmt(summary.get('tau_engine_dflash'), '.3f')})."]
         lines += suite_lines(summary.get("suites")) + sweep_lines(summary.get("k_sweep"))
     else:
         lines += ["## Speed: trained drafter vs untrained drafter vs prompt lookup vs plain decoding", "",
                   "| method | tau | tokens/s | speedup vs plain |", "|---|---|---|---|"]
         for r in comparison_rows(summary):
-            lines.append(f"| {r.method} | {fmt_num(r.tau, '.3f')} | {fmt_num(r.tokens_per_s, '.2f')} | "
-                         f"{fmt_num(r.speedup, '.2f', 'x')} |")
+            lines.append(f"| {r.method} | {fmt(r.tau, '.3f')} | {fmt(r.tokens_per_s, '.2f')} | "
+                         f"{fmt(r.speedup, '.2f', suffix='x')} |")
     lines += [""] + [f"- {line}" for line in explanation(summary)] + [
         "",
         f"Prompts: {summary.get('eval_prompts', '?')} held-out ShareGPT first turns, "
@@ -231,9 +230,9 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
         "",
         f"- steps: {last.get('step', 0)}, trained tokens: {last.get('tokens', 0):,}, "
         f"wall time: {summary.get('train_seconds', 0):.0f} s",
-        f"- final loss (interval mean): {last.get('loss_mean', float('nan')):.4f}; "
-        f"position-1 accuracy {last.get('acc_1', float('nan')):.3f}; "
-        f"expected tau from accuracies {last.get('expected_tau', float('nan')):.3f}",
+        f"- final loss (interval mean): {fmt(last.get('loss_mean'), '.4f')}; "
+        f"position-1 accuracy {fmt(last.get('acc_1'), '.3f')}; "
+        f"expected tau from accuracies {fmt(last.get('expected_tau'), '.3f')}",
         f"- throughput (last interval): {last.get('tokens_per_s', 0):.0f} tok/s",
         f"- export: `{summary.get('export_dir', '')}`",
         "",
@@ -249,18 +248,6 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
 
 
 # --------------------------------------------------------------------------- export's model card
-
-
-def _card_num(v: Any, spec: str = "") -> str:
-    """A number for the model card: n/a when missing, inf/nan as they are."""
-    if v is None:
-        return "n/a"
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    try:
-        return format(v, spec) if spec else str(v)
-    except (TypeError, ValueError):
-        return str(v)
 
 
 def run_summary(run_dir: Path | None, step: int | None, meta: dict[str, Any]) -> dict[str, Any]:
@@ -301,7 +288,7 @@ def run_summary(run_dir: Path | None, step: int | None, meta: dict[str, Any]) ->
     return s
 
 
-def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str) -> str:
+def model_card(cfg: DrafterConfig, summary: dict[str, Any], target_path: str | None, name: str) -> str:
     bs = int(cfg.block_size)
     tgt = target_path or "<the target model>"
     lines = [
@@ -320,34 +307,33 @@ def model_card(cfg, summary: dict[str, Any], target_path: str | None, name: str)
         "",
         "## Training summary",
         "",
-        f"- steps: {_card_num(summary.get('step') or summary.get('steps'))}",
-        f"- tokens trained: {_card_num(summary.get('tokens'))}",
-        f"- final loss: {_card_num(summary.get('final_loss'), '.4f')}",
-        f"- measured acceptance length (tau, real speculative decoding): {_card_num(summary.get('tau'), '.3f')}"
+        f"- steps: {fmt(summary.get('step') or summary.get('steps'))}",
+        f"- tokens trained: {fmt(summary.get('tokens'))}",
+        f"- final loss: {fmt(summary.get('final_loss'), '.4f')}",
+        f"- measured acceptance length (tau, real speculative decoding): {fmt(summary.get('tau'), '.3f')}"
         + (f" at step {summary['tau_step']}" if summary.get("tau_step") is not None else ""),
     ]
     if summary.get("tau_untrained") is not None:
-        lines.append(f"- tau of an untrained drafter of the same shape: {_card_num(summary['tau_untrained'], '.3f')}")
+        lines.append(f"- tau of an untrained drafter of the same shape: {fmt(summary['tau_untrained'], '.3f')}")
 
     warning = embedding_scale_warning(float(cfg.input_embedding_scale))
     if warning:
         lines += ["", "## WARNING: engine compatibility", "", f"- **{warning}**"]
-    if getattr(cfg, "block_seeds", "none") != "none":
+    if cfg.block_seeds != "none":
         lines += ["", "## Prompt-lookup seeds", "",
                   "- trained to draft from blocks whose masked slots hold prompt lookup's proposal "
                   "(`dflash_config.block_seeds`); `dflash-train eval` decodes that way.",
                   "- SGLang, vLLM and the reference package do not seed DFlash blocks: there it drafts from "
                   "masks only, at the lower masks-only acceptance (`tau_unseeded` in `dflash-train eval --json`)."]
     reference_class = "DFlashDraftModel"
-    if getattr(cfg, "architecture", "dflash") == "dflash2":
-
+    if cfg.architecture == "dflash2":
         reference_class = "DFlash2DraftModel"
         lines += ["", "## DFlash 2", "", *SERVING_NOTE]
     lines += [
         "",
         "## Serving",
         "",
-        *launch_commands(bs, list(cfg.layer_types), getattr(cfg, "serving_dtype", "bfloat16"), tgt),
+        *launch_commands(bs, list(cfg.layer_types), cfg.serving_dtype, tgt),
         "",
         "Reference implementation (PyPI `dflash`):",
         "",

@@ -29,19 +29,52 @@ class MethodRow:
         return d
 
 
-def fmt(v: Any, spec: str, missing: str = "n/a", suffix: str = "") -> str:
-    """A number for a table cell; None / NaN -> `missing`."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
+def jsonable(v: Any) -> Any:
+    """NaN/inf -> None (strict JSON), recursively: what every `--json` prints."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [jsonable(x) for x in v]
+    return v
+
+
+def fmt(v: Any, spec: str = "", missing: str = "n/a", suffix: str = "") -> str:
+    """THE number formatter of every table, report.md and the model card. One NaN rule: None, NaN
+    and +-inf -> `missing` (what `--json` writes as null, `jsonable`); a value `spec` cannot
+    format (a string): as it is."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return missing
-    return format(v, spec) + suffix
+    try:
+        return format(v, spec) + suffix
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def lossless_cell(ok: bool | None, unchecked: str = "not checked", detail: str = "") -> str:
+    """THE lossless cell: "yes", "NO" (+ " (detail)": which prompts or methods differed), or
+    `unchecked` when not compared with plain decoding ("-", "n/a", "n/a (sampling)", ...)."""
+    if ok is None:
+        return unchecked
+    return "yes" if ok else "NO" + (f" ({detail})" if detail else "")
+
+
+def lossless_of(verdicts: Sequence[tuple[str, bool | None]], unchecked: str = "-") -> str:
+    """The lossless cell of several methods' verdicts (("DFlash", True), ("n-gram", None), ...):
+    those checked pooled, the methods that differed named; none checked: `unchecked`."""
+    checked = [(name, ok) for name, ok in verdicts if ok is not None]
+    if not checked:
+        return unchecked
+    bad = [name for name, ok in checked if not ok]
+    return lossless_cell(not bad, detail=", ".join(bad))
 
 
 def lossless_text(row: MethodRow) -> str:
     if not row.decoded or row.reference:
         return "-"
-    if row.lossless is None:
-        return "not checked"
-    return "yes" if row.lossless else f"NO (prompts {list(row.mismatched)})"
+    detail = f"prompts {list(row.mismatched)}" if row.mismatched or row.lossless is False else ""
+    return lossless_cell(row.lossless, "not checked", detail)
 
 
 def cells(row: MethodRow, lossless: bool = True) -> list[str]:
@@ -74,8 +107,40 @@ def plain_row(tokens_per_s: float | None, method: str = "plain decoding") -> Met
     return MethodRow(method, 1.0, tokens_per_s, 1.0, None, reference=True)
 
 
-def rows_to_dicts(rows: Sequence[MethodRow]) -> list[dict[str, Any]]:
-    return [r.to_dict() for r in rows]
+
+# ----------------------------------------------------------------- a group's figures (eval/serve-bench --suite)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """One method's figures pooled over a group of prompts (a suite, an MT-Bench category): what
+    `eval --suite` pools from per-prompt `evaluate_tau` results (eval/suite_bench.pool_eval) and
+    `serve-bench --suite` from engine rows (engine/suite_serving.engine_figures)."""
+
+    tau: float | None = None
+    tokens_per_draft: float | None = None  # engine counters only
+    tokens_per_s: float | None = None
+    speedup: float | None = None
+    lossless: bool | None = None
+    mismatched: tuple[int, ...] | None = None  # the prompts that differed; None: not tracked (engine)
+
+    @classmethod
+    def of_engine(cls, r: Mapping[str, Any]) -> "Figures":
+        """From one `engine.measure.summarise` row (empty: the method was not served)."""
+        return cls(r.get("tau"), r.get("tokens_per_draft"), r.get("tokens_per_s"), r.get("speedup"), r.get("lossless"))
+
+
+def group_figures(dflash: Figures, ngram: Figures, plain_tokens_per_s: float | None) -> dict[str, Any]:
+    """A group's flat figures (summary.json, `--json`, the suite tables): DFlash's under their own
+    names, n-gram's with the ``_ngram`` suffix, plain decoding's tok/s. The one place that names them."""
+    out: dict[str, Any] = {}
+    for f, sfx in ((dflash, ""), (ngram, "_ngram")):
+        out.update({f"tau{sfx}": f.tau, f"tokens_per_draft{sfx}": f.tokens_per_draft,
+                    f"tokens_per_s{sfx}": f.tokens_per_s, f"speedup{sfx}": f.speedup, f"lossless{sfx}": f.lossless})
+        if f.mismatched is not None:
+            out[f"mismatched_prompts{sfx}"] = list(f.mismatched)
+    out["tokens_per_s_plain"] = plain_tokens_per_s
+    return out
 
 
 # ----------------------------------------------------------------- rows measured in a serving engine
@@ -103,4 +168,4 @@ def engine_cells(row: MethodRow, missing: str = "-", speedup_suffix: str = "", u
     when not compared with a plain run: "-", or "n/a (sampling)" where outputs differ by chance)."""
     return [row.method, str(row.k or "-"), fmt(row.tau, ".3f", missing), fmt(row.tokens_per_draft, ".3f", missing),
             fmt(row.tokens_per_s, ".2f", missing), fmt(row.speedup, ".2f", missing, speedup_suffix),
-            unchecked if row.lossless is None else ("yes" if row.lossless else "NO")]
+            lossless_cell(row.lossless, unchecked)]

@@ -25,7 +25,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "target.device",
     # which positions anchor the blocks: an on-policy phase may follow a uniform one
     "train.anchors", "train.on_policy_start",
-    "data.cache_dir", "data.num_workers",
+    "data.cache_dir",
     "pipeline.queue_depth", "pipeline.num_target_workers", "pipeline.cache_features",
     "checkpoint.*", "eval.*", "logging.*", "demo.*",
 )

@@ -1,18 +1,24 @@
-"""The drafter in a checkpoint: a run dir (its ``latest``, or ``best``), a checkpoint
-dir, or the ``RUN_DIR/best`` / ``RUN_DIR/latest`` shorthands, as a `DrafterSource`
-(config, weights, step, target, provenance). Export dirs are read by export.py, whose
-`resolve_drafter_source` accepts both."""
+"""The one reader of a drafter on disk: a run dir (its ``latest``, or ``best``), a checkpoint
+dir, the ``RUN_DIR/best`` / ``RUN_DIR/latest`` shorthands, or an export dir (config.json +
+model.safetensors, written by export.py) as a `DrafterSource` (config, weights, step, target,
+provenance), with the one rule that finds the run's config beside it (`run_config_of`).
+`resolve_drafter_source` accepts them all; eval/source.py adds the target and the held-out
+prompts (what eval, serve-bench, the suites, the demo and compare start from)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import json
+
 import torch
 
-from dflash_train.config import ConfigError, read_run_config
+from dflash_train.config import ConfigError, RunConfig, read_run_config
 from dflash_train.errors import UserError
+from dflash_train.model.dflash2 import from_export_names
 from dflash_train.model.drafter import DrafterConfig
+from dflash_train.model.hf_config import drafter_config_from_hf
 from dflash_train.rundir import (
     BEST,
     CHECKPOINTS_DIR,
@@ -26,6 +32,11 @@ from dflash_train.rundir import (
     run_dir_of_checkpoint,
     verify_checkpoint,
 )
+from dflash_train.serving_check import D2T
+
+# an export dir's files (export.py writes them)
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
 
 
 # tensors the drafter never owns (the target's); dropped defensively
@@ -128,4 +139,81 @@ def resolve_checkpoint_source(path: str | Path, prefer_best: bool = False) -> Dr
         found = find_resumable(base, log=lambda m: None) if any(base.glob("step-*")) else None
         if found is not None:
             return load_checkpoint_source(found)
+    return None
+
+
+# --------------------------------------------------------------------------- export dirs
+
+
+def load_export_source(path: Path) -> DrafterSource:
+    """The drafter of an export dir (config.json + model.safetensors), under our own tensor names."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_file = path / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise UserError(f"{cfg_file}: missing (not an export dir)")
+    try:
+        d = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{cfg_file}: not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{cfg_file}: not a JSON object")
+    try:
+        cfg = drafter_config_from_hf(d)
+    except KeyError as e:
+        raise UserError(f"{cfg_file}: missing key {e.args[0]!r}; not a DFlash drafter config") from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{cfg_file}: invalid DFlash drafter config: {e}") from None
+    wf = path / WEIGHTS_FILE
+    if not wf.is_file():
+        raise UserError(f"{wf}: missing")
+    try:
+        sd = load_file(str(wf))
+    except Exception as e:  # noqa: BLE001 - name the file
+        raise UserError(f"{wf}: cannot load: {e}") from None
+    prov = d.get("dflash_train") or {}
+    if cfg.draft_vocab_size and D2T in sd:
+        sd["draft_vocab"] = sd.pop(D2T) + torch.arange(cfg.draft_vocab_size)
+    return DrafterSource(
+        kind="export", path=path, config=cfg, state_dict=from_export_names(clean_state_dict(sd)), step=prov.get("step"),
+        target_path=prov.get("target_path"), meta=prov,
+    )
+
+
+def load_export(path: str | Path) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """(DrafterConfig, state_dict) of an export dir (config.json + model.safetensors)."""
+    src = load_export_source(Path(path))
+    return src.config, src.state_dict
+
+
+def resolve_drafter_source(path: str | Path, prefer_best: bool = False) -> DrafterSource:
+    """An export dir, or what `resolve_checkpoint_source` finds: RUN_DIR (checkpoints/latest, or
+    `best` with prefer_best), a checkpoint dir, RUN_DIR/checkpoints, ``RUN_DIR/best`` /
+    ``RUN_DIR/latest``. Raises the CLI's UserError (one clear line) otherwise."""
+    p = Path(path)
+    if p.is_dir() and not (p / MANIFEST_FILE).is_file() and (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file():
+        return load_export_source(p)
+    src = resolve_checkpoint_source(p, prefer_best=prefer_best)
+    if src is None:
+        raise UserError(
+            f"{p}: not a run dir (no checkpoints/latest), checkpoint dir (no manifest.json) "
+            f"or export dir (no config.json + model.safetensors)"
+        )
+    return src
+
+
+def run_config_of(src: DrafterSource) -> RunConfig | None:
+    """THE rule for the run config of a drafter (its target, its held-out prompts): the source's
+    run dir, else, for an export, the run it sits in (RUN/export) or the run of the checkpoint it
+    was exported from (its recorded ``source``). None when none of them holds a config.yaml."""
+    cands = [src.run_dir] if src.run_dir is not None else []
+    if src.kind == "export":
+        cands.append(Path(src.path).resolve().parent)
+        if src.meta.get("source"):
+            cands += list(Path(src.meta["source"]).resolve().parents[:2])
+    for d in cands:
+        cfg = read_run_config(d)
+        if cfg is not None:
+            return cfg
     return None

@@ -16,8 +16,6 @@ from dflash_train.data.prepare import load_prepared, read_source_conversations
 from dflash_train.data.sources import Conversation, is_heldout
 from dflash_train.errors import UserError
 
-PRECOMPUTED = "precomputed:"  # the data.source prefix of precomputed features (pipeline/precomputed.py reads them)
-
 
 def heldout_of_index(index: dict) -> list[Conversation]:
     """The held-out conversations a precompute directory's index.json records."""
@@ -39,10 +37,11 @@ def heldout_conversations(cfg, target) -> list[Conversation]:
     """The held-out conversations of run config `cfg` (module docstring); `target`: anything with
     .tokenizer and .family (a prepared source is read with them)."""
     d = cfg.data
-    if d.source.startswith(PRECOMPUTED):
-        return read_precomputed_heldout(Path(d.source[len(PRECOMPUTED):]))
+    kind = d.parsed_source.kind
+    if kind == "precomputed":
+        return read_precomputed_heldout(Path(d.parsed_source.path))
     source = cfg.model_copy(deep=True)
     source.data.regenerated = None
-    if d.source.startswith("prepared:"):
+    if kind == "prepared":
         return load_prepared(source, target.tokenizer, target.family).heldout
     return [c for c in read_source_conversations(source)[0] if is_heldout(c, d.heldout_fraction)]

@@ -36,7 +36,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from dflash_train.config import DataSource
 from dflash_train.data.domains import domain_conversations, domains_identity
 from dflash_train.data.packing import Document, cut_document, pack_documents
 from dflash_train.data.sources import (
@@ -51,6 +54,7 @@ from dflash_train.data.augment import copy_task_documents
 from dflash_train.data.template import ChatFormat, TemplateMismatch
 from dflash_train.errors import parse_file
 from dflash_train.storage import StorageError, writing
+from dflash_train.targets import load_tokenizer
 from dflash_train.utils import save_safetensors
 
 log = logging.getLogger(__name__)
@@ -102,10 +106,11 @@ def _file_identity(path: Path) -> str:
 
 
 def _source_identity(spec: str) -> str:
-    if spec == "sharegpt":
+    src = DataSource.parse(spec)
+    if src.kind == "sharegpt":
         return sharegpt_identity()
-    if spec.startswith("jsonl:"):
-        return _file_identity(Path(spec[len("jsonl:"):]))
+    if src.kind == "jsonl":
+        return _file_identity(Path(src.path))
     return spec
 
 
@@ -147,7 +152,7 @@ def read_source_conversations(cfg, limit: int | None = None) -> tuple[list[Conve
     limit = d.limit if limit is None else limit
     if d.regenerated:
         return read_conversations("jsonl:" + str(d.regenerated), _with_domains(limit, d.domain_prompts))
-    if d.source.startswith(("prepared:", "precomputed:")):
+    if not d.parsed_source.has_conversations:
         raise DataError(f"data.source={d.source} holds no conversations")
     convs, stats = read_conversations(d.source, limit)
     if d.domain_prompts:
@@ -307,8 +312,9 @@ def load_prepared(cfg, tokenizer, family: str | None = None,
     """Prepared rows for `cfg` (RunConfig): from the cache when the inputs are
     unchanged, else built and cached. ``data.source=prepared:DIR`` reads DIR."""
     d = cfg.data
-    if d.source.startswith("prepared:") and not d.regenerated:
-        path = Path(d.source[len("prepared:"):]).expanduser()
+    src = d.parsed_source
+    if src.kind == "prepared" and not d.regenerated:
+        path = src.local_path
         data = read_prepared(path)
         want = tokenizer_fingerprint(tokenizer, family)
         got = data.stats.get("inputs", {}).get("tokenizer")
@@ -318,7 +324,7 @@ def load_prepared(cfg, tokenizer, family: str | None = None,
             raise DataError(f"{path} has rows of {data.max_tokens} tokens but data.max_tokens={d.max_tokens}")
         data.stats["cache"] = "prepared"
         return data
-    if d.source.startswith("precomputed:") and not d.regenerated:
+    if src.kind == "precomputed" and not d.regenerated:
         raise DataError(f"data.source={d.source}: precomputed features are read by the pipeline, not by load_prepared")
     cdir, inputs = cache_dir_for(cfg, tokenizer, family)
     if (cdir / "index.json").is_file():
@@ -338,3 +344,35 @@ def load_prepared(cfg, tokenizer, family: str | None = None,
     data.stats["inputs"] = inputs
     data.stats["cache"] = "miss"
     return data
+
+
+def prepare_command(cfg, out: Path | None) -> Path:
+    """`dflash-train prepare-data`: tokenise + template + loss-mask once, into
+    `out` (default: the cache directory load_prepared will look in)."""
+    console = Console(stderr=True)
+    tokenizer, family = load_tokenizer(cfg.target)
+    with Progress(TextColumn("[bold]preparing[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task(cfg.data.regenerated or cfg.data.source, total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        if out is None:
+            data = load_prepared(cfg, tokenizer, family, progress)
+            dest = data.path
+        else:
+            inputs = cache_inputs(cfg, tokenizer, family)
+            data = build_prepared(cfg, tokenizer, family, progress)
+            dest = save_prepared(data, Path(out), inputs)
+    s = data.stats
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.get("skipped", {}).items())) or "none"
+    console.print(
+        f"{s['conversations_read']} conversations ({s['train_conversations']} train, {s['heldout_conversations']} held out), "
+        f"skipped: {skipped}; {s['rows']} rows x {s['max_tokens']} tokens, fill {s['fill']:.2f}, "
+        f"{s['supervised_tokens']} supervised tokens, {s['dropped_documents']} short documents dropped"
+        + (f"; source file cut off at item {s['truncated_item']['index']}" if s.get("truncated_item") else "")
+        + (" (cached)" if s.get("cache") == "hit" else "")
+    )
+    print(dest)
+    return Path(dest) if dest else Path(".")

@@ -8,9 +8,10 @@ stopping at the chat format's stop tokens or ``max_new_tokens``. Later turns of
 multi-turn conversations are dropped. Prompts of ``data.max_tokens`` tokens or
 more are skipped (their answer could not fit in a training row).
 
-Who writes the answers: our batched loop (left padding, `generate_answers`), one
-batched vLLM run per chunk (``generate=``), or OpenAI-compatible servers
-(``fleet=``: `--endpoint URL` repeated, `--local-servers N`; data/endpoints.py).
+Who writes the answers: an `Answerer`, chosen once by the caller: `InProcess` (our batched
+loop, left padding, `generate_answers`), `BatchedEngine` (one batched vLLM run per chunk), or
+`EndpointFleet` (OpenAI-compatible servers: `--endpoint URL` repeated, `--local-servers N`;
+data/endpoints.py).
 
 Output: one JSON line per conversation, ShareGPT shape with the SAME id (so the
 held-out split is unchanged) plus ``"regenerated": {"max_new_tokens",
@@ -29,11 +30,13 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Protocol
 
 import torch
 
-from dflash_train.data.endpoints import Fleet, Job, Sampling
+from dflash_train.data.endpoints import Fleet, FleetSpec, Job, Sampling
 from dflash_train.data.prepare import read_source_conversations
 from dflash_train.data.sources import Conversation, DataError
 from dflash_train.data.template import ChatFormat
@@ -166,30 +169,133 @@ def _bar(console, total: int, counts: dict):
             counts["answer_seconds"] = round(time.perf_counter() - t0, 2)
 
 
-def regenerate_conversations(cfg, out: Path, target, max_conversations: int | None = None, max_new_tokens: int = 256,
-                             batch_size: int = 8, temperature: float = 0.0, generate=None,
-                             engine_chunk: int = ENGINE_CHUNK, fleet=None, top_p: float = 1.0) -> dict:
+@dataclass(frozen=True)
+class Ask:
+    """What every answer of one regenerate call is asked with."""
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int  # train.seed: sampling at temperature > 0
+    batch_size: int  # prompts per forward of the in-process loop
+
+
+class Answerer(Protocol):
+    """Who writes regenerate's answers: `InProcess`, `BatchedEngine` or `EndpointFleet`."""
+
+    greedy_only: bool  # refuses temperature > 0
+
+    def tokenizer_and_family(self) -> tuple[Any, str]:
+        """The target's tokenizer and family; called only once something is left to answer."""
+
+    def answer(self, items: list[tuple[Conversation, list[int]]], fmt: ChatFormat, ask: Ask,
+               records: _Records, console) -> None:
+        """Answer every (prompt conversation, prompt ids) of `items` into `records`."""
+
+
+class InProcess:
+    """Our batched decoding loop on the target loaded in this process. `load`: returns the Target
+    (called only when something is left to regenerate)."""
+
+    greedy_only = False
+
+    def __init__(self, load: Callable[[], Any]):
+        self._load, self._target = load, None
+
+    def tokenizer_and_family(self) -> tuple[Any, str]:
+        if self._target is None:
+            self._target = self._load()
+        return self._target.tokenizer, self._target.family
+
+    def answer(self, items, fmt: ChatFormat, ask: Ask, records: _Records, console) -> None:
+        self.tokenizer_and_family()
+        with _bar(console, len(items), records.counts) as advance:
+            for b in range(0, len(items), ask.batch_size):
+                chunk = items[b:b + ask.batch_size]
+                seed = None if ask.temperature == 0 else int(ask.seed) * 1_000_003 + b
+                answers = generate_answers(self._target, fmt, [ids for _, ids in chunk], ask.max_new_tokens,
+                                           ask.temperature, seed, ask.top_p)
+                for (conv, _), (new, finished) in zip(chunk, answers):
+                    records.add(conv, new, finished, "trainer")
+                records.sync()
+                advance(len(chunk), records.counts["new_tokens"])
+
+
+class BatchedEngine:
+    """One batched engine run per `chunk` prompts, greedy: ``generate(prompt_ids, max_new_tokens,
+    stop_token_ids) -> [(new ids, finished)]`` (the demo and `--engine vllm` pass vLLM's,
+    `engine.vllm_process.vllm_answers`); each chunk's answers are written before the next."""
+
+    greedy_only = True
+
+    def __init__(self, generate: Callable, tokenizer, family: str, chunk: int = ENGINE_CHUNK):
+        self.generate, self.tokenizer, self.family, self.chunk = generate, tokenizer, family, chunk
+
+    def tokenizer_and_family(self) -> tuple[Any, str]:
+        return self.tokenizer, self.family
+
+    def answer(self, items, fmt: ChatFormat, ask: Ask, records: _Records, console) -> None:
+        stops = fmt.stop_token_ids()
+        runs = range(0, len(items), self.chunk)
+        console.print(f"regenerating {len(items)} answers in {len(runs)} batched engine run(s)")
+        with _bar(console, len(items), records.counts) as advance:
+            for b in runs:
+                chunk = items[b:b + self.chunk]
+                answers = self.generate([ids for _, ids in chunk], ask.max_new_tokens, stops)
+                for (conv, _), (ids, finished) in zip(chunk, answers):
+                    new, stop = split_stop(ids, stops)
+                    records.add(conv, new, bool(finished) or stop is not None, "vllm")
+                records.sync()
+                advance(len(chunk), records.counts["new_tokens"])
+
+
+class EndpointFleet:
+    """OpenAI-compatible servers answer (`spec`: data/endpoints.FleetSpec), requests in flight at
+    once, records written as answers come back; `spec.start` (local servers) runs only once
+    answers are needed and stops with `answer`, also on errors."""
+
+    greedy_only = False
+
+    def __init__(self, spec: FleetSpec, tokenizer, family: str):
+        self.spec, self.tokenizer, self.family = spec, tokenizer, family
+
+    def tokenizer_and_family(self) -> tuple[Any, str]:
+        return self.tokenizer, self.family
+
+    def answer(self, items, fmt: ChatFormat, ask: Ask, records: _Records, console) -> None:
+        spec, stops = self.spec, fmt.stop_token_ids()
+        with (spec.start() if spec.start is not None else contextlib.nullcontext([])) as started:
+            # a generation runs at >= 1 tok/s even on a loaded CPU server: past that it hangs
+            fleet = Fleet([*spec.urls, *started], spec.max_in_flight, spec.wait_s, log=console.print,
+                          request_timeout=300.0 + ask.max_new_tokens)
+            served = fleet.connect()
+            fleet.check_context(max(len(ids) for _, ids in items) + ask.max_new_tokens)
+            models = sorted({s.model for s in served})
+            console.print(f"regenerating {len(items)} answers through {len(served)} endpoint(s) serving "
+                          f"{', '.join(models)}, at most {spec.max_in_flight} requests in flight each")
+            sampling = Sampling(ask.max_new_tokens, stops, ask.temperature, ask.top_p, ask.seed)
+            by_id = {conv.id: conv for conv, _ in items}
+            with _bar(console, len(items), records.counts) as advance:
+                for a in fleet.answer([Job(conv.id, ids) for conv, ids in items], sampling):
+                    new, stop = split_stop(a.token_ids, stops)
+                    records.add(by_id[a.key], new, stop is not None or a.finish_reason == "stop", a.endpoint)
+                    records.sync(force=False)
+                    advance(1, records.counts["new_tokens"], fleet.counts())
+            records.counts["per_endpoint"] = {e.base: e.answered for e in fleet.endpoints}
+            console.print(f"answers per endpoint: {fleet.counts()}")
+
+
+def regenerate_conversations(cfg, out: Path, answerer: Answerer, max_conversations: int | None = None,
+                             max_new_tokens: int = 256, batch_size: int = 8, temperature: float = 0.0,
+                             top_p: float = 1.0) -> dict:
     """Regenerate the answers of the first `max_conversations` conversations of
     ``data.source`` (default ``data.limit``) and of ``data.domain_prompts``' prompts into `out` (JSONL, appended,
-    resumable) with `target`: a loaded Target, or a function that loads one (called only when
-    something is left to regenerate). Returns counts:
+    resumable) through `answerer` (module docstring). Returns counts:
     conversations, already_done, written, prompt_too_long, empty_answer,
-    new_tokens, seconds (+ per_endpoint through a fleet).
-
-    `generate`: answers all prompts in one batched call instead of our own decoding loop
-    (``generate(prompt_ids, max_new_tokens, stop_token_ids) -> [(new ids, finished)]``, greedy;
-    the demo passes vLLM's batched generation, `engine.vllm_process.generate_in_vllm`), called on
-    `engine_chunk` prompts at a time, each chunk's answers written before the next.
-    `fleet`: a `data.endpoints.FleetSpec`: OpenAI-compatible servers answer, requests in flight
-    at once, records written as answers come back. With either, `target` only needs its
-    tokenizer and family."""
+    new_tokens, seconds (+ per_endpoint through a fleet)."""
     if max_new_tokens < 1 or batch_size < 1 or not temperature >= 0 or not 0 < top_p <= 1:
         raise DataError("regenerate needs max_new_tokens >= 1, batch_size >= 1, temperature >= 0, 0 < top_p <= 1")
-    if generate is not None and fleet is not None:
-        raise DataError("regenerate answers through one engine: a batched engine run or endpoints, not both")
-    src = cfg.data.source
-    if src.startswith(("prepared:", "precomputed:")):
-        raise DataError(f"regenerate reads conversations; data.source={src} has none")
+    if not cfg.data.parsed_source.has_conversations:
+        raise DataError(f"regenerate reads conversations; data.source={cfg.data.source} has none")
     out = Path(out)
     with writing(out.parent, "creating"):
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -208,9 +314,8 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
     if not todo:
         console.print(f"regenerate: all {len(convs)} conversations already in {out}")
         return counts
-    if not hasattr(target, "tokenizer"):
-        target = target()
-    fmt = ChatFormat(target.tokenizer, target.family)
+    tokenizer, family = answerer.tokenizer_and_family()
+    fmt = ChatFormat(tokenizer, family)
     items: list[tuple[Conversation, list[int]]] = []
     for c in todo:
         first = c.first_exchange()
@@ -223,33 +328,20 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
     if not items:  # a rerun: what is left has prompts too long to answer
         console.print(f"regenerate: nothing left to answer in {out} ({counts['prompt_too_long']} prompts too long)")
         return counts
-    if generate is not None and temperature != 0:
+    if answerer.greedy_only and temperature != 0:
         raise DataError("regenerate through an engine is greedy only (temperature 0)")
     # batches of similar prompt lengths: left padding is wasted compute on every decode step
     items.sort(key=lambda it: len(it[1]))
     t0 = time.perf_counter()
     meta = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    ask = Ask(max_new_tokens, temperature, top_p, int(cfg.train.seed), batch_size)
     # a refused write (full disk, read-only or vanished directory): one line; the records fsync'd
     # before stay, a torn last line is cut off by the rerun (done_ids)
     with writing(out, hint="the answers written before are kept and the same command goes on from there"), \
             out.open("a", encoding="utf-8") as f:
-        records = _Records(f, target.tokenizer, meta, counts)
+        records = _Records(f, tokenizer, meta, counts)
         try:
-            if fleet is not None:
-                _through_fleet(fleet, items, fmt, cfg, max_new_tokens, temperature, top_p, records, console)
-            elif generate is not None:
-                _through_engine(generate, items, fmt, max_new_tokens, engine_chunk, records, console)
-            else:
-                with _bar(console, len(items), counts) as advance:
-                    for b in range(0, len(items), batch_size):
-                        chunk = items[b:b + batch_size]
-                        seed = None if temperature == 0 else int(cfg.train.seed) * 1_000_003 + b
-                        answers = generate_answers(target, fmt, [ids for _, ids in chunk], max_new_tokens,
-                                                   temperature, seed, top_p)
-                        for (conv, _), (new, finished) in zip(chunk, answers):
-                            records.add(conv, new, finished, "trainer")
-                        records.sync()
-                        advance(len(chunk), counts["new_tokens"])
+            answerer.answer(items, fmt, ask, records, console)
         except BaseException:
             records.sync()
             console.print(f"regenerate: {counts['written']} answers of this run kept in {out}; "
@@ -264,45 +356,3 @@ def regenerate_conversations(cfg, out: Path, target, max_conversations: int | No
                   f"{counts.get('answer_seconds')} s of answering)")
     return counts
 
-
-def _through_engine(generate, items, fmt: ChatFormat, max_new_tokens: int, engine_chunk: int,
-                    records: _Records, console) -> None:
-    """One batched engine run per chunk of prompts, each chunk written before the next."""
-    stops = fmt.stop_token_ids()
-    runs = range(0, len(items), engine_chunk)
-    console.print(f"regenerating {len(items)} answers in {len(runs)} batched engine run(s)")
-    with _bar(console, len(items), records.counts) as advance:
-        for b in runs:
-            chunk = items[b:b + engine_chunk]
-            answers = generate([ids for _, ids in chunk], max_new_tokens, stops)
-            for (conv, _), (ids, finished) in zip(chunk, answers):
-                new, stop = split_stop(ids, stops)
-                records.add(conv, new, bool(finished) or stop is not None, "vllm")
-            records.sync()
-            advance(len(chunk), records.counts["new_tokens"])
-
-
-def _through_fleet(spec, items, fmt: ChatFormat, cfg, max_new_tokens: int, temperature: float, top_p: float,
-                   records: _Records, console) -> None:
-    """OpenAI-compatible servers answer (data/endpoints.py); `spec.start` (local servers) runs
-    only now that answers are needed and stops with this function, also on errors."""
-    stops = fmt.stop_token_ids()
-    with (spec.start() if spec.start is not None else contextlib.nullcontext([])) as started:
-        # a generation runs at >= 1 tok/s even on a loaded CPU server: past that it hangs
-        fleet = Fleet([*spec.urls, *started], spec.max_in_flight, spec.wait_s, log=console.print,
-                      request_timeout=300.0 + max_new_tokens)
-        served = fleet.connect()
-        fleet.check_context(max(len(ids) for _, ids in items) + max_new_tokens)
-        models = sorted({s.model for s in served})
-        console.print(f"regenerating {len(items)} answers through {len(served)} endpoint(s) serving "
-                      f"{', '.join(models)}, at most {spec.max_in_flight} requests in flight each")
-        sampling = Sampling(max_new_tokens, stops, temperature, top_p, int(cfg.train.seed))
-        by_id = {conv.id: conv for conv, _ in items}
-        with _bar(console, len(items), records.counts) as advance:
-            for a in fleet.answer([Job(conv.id, ids) for conv, ids in items], sampling):
-                new, stop = split_stop(a.token_ids, stops)
-                records.add(by_id[a.key], new, stop is not None or a.finish_reason == "stop", a.endpoint)
-                records.sync(force=False)
-                advance(1, records.counts["new_tokens"], fleet.counts())
-        records.counts["per_endpoint"] = {e.base: e.answered for e in fleet.endpoints}
-        console.print(f"answers per endpoint: {fleet.counts()}")

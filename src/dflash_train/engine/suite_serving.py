@@ -7,15 +7,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from dflash_train.checkpoint.source import resolve_drafter_source
 from dflash_train.config import TargetConfig
 from dflash_train.data.template import ChatFormat
 from dflash_train.engine.measure import DEFAULT_DTYPE, methods_over, serve_methods, summarise
 from dflash_train.engine.vllm_process import generate_in_vllm
 from dflash_train.eval.replay import replay_acceptance
+from dflash_train.eval.source import load_drafter
 from dflash_train.eval.suite_bench import Log, group_head, suite_items
 from dflash_train.eval.suites import SuitePrompt, all_turns, describe, groups_of
-from dflash_train.export import resolve_drafter_source
-from dflash_train.model.dflash2 import build_drafter
+from dflash_train.results import Figures, group_figures
 from dflash_train.targets import load_target, served_target_dir
 
 
@@ -77,10 +78,7 @@ def replay_per_prompt(export_dir, target_path: str, prompt_ids, outputs, k: int,
     if log:
         log(f"replay: the drafter on plain vLLM's {len(outputs)} outputs (our tau of the same drafter)")
     target = load_target(TargetConfig(path=target_path))
-    src = resolve_drafter_source(export_dir)
-    drafter = build_drafter(src.config)
-    drafter.load_state_dict(src.state_dict)
-    drafter.to(target.device).eval()
+    drafter = load_drafter(resolve_drafter_source(export_dir), target.device)
     return [replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=k)
             for p, out in zip(prompt_ids, outputs)]
 
@@ -93,12 +91,8 @@ def pooled_tau(acceptance: Sequence[Sequence[int]]) -> float | None:
 def engine_figures(rows: Sequence[dict]) -> dict[str, Any]:
     """A group's flat figures from its engine rows: DFlash's, n-gram's beside them, plain's tok/s."""
     by = {r["method"]: r for r in rows}
-    d, ng, plain = by.get("dflash", {}), by.get("ngram", {}), by.get("plain", {})
-    return {"tau": d.get("tau"), "tokens_per_draft": d.get("tokens_per_draft"), "tokens_per_s": d.get("tokens_per_s"),
-            "speedup": d.get("speedup"), "lossless": d.get("lossless"),
-            "tau_ngram": ng.get("tau"), "tokens_per_draft_ngram": ng.get("tokens_per_draft"),
-            "tokens_per_s_ngram": ng.get("tokens_per_s"), "speedup_ngram": ng.get("speedup"),
-            "lossless_ngram": ng.get("lossless"), "tokens_per_s_plain": plain.get("tokens_per_s")}
+    return group_figures(Figures.of_engine(by.get("dflash", {})), Figures.of_engine(by.get("ngram", {})),
+                         by.get("plain", {}).get("tokens_per_s"))
 
 
 # ----------------------------------------------------------------- our decoding

@@ -171,7 +171,7 @@ def generate_in_vllm(target_dir: Path, prompt_ids: Sequence[Sequence[int]], stop
 
 
 def vllm_answers(target_dir: Path, log: Callable[[str], None] | None = None):
-    """`regenerate_conversations(generate=...)` through vLLM: one batched greedy run of the target
+    """Answers for data/regenerate.py's `BatchedEngine` through vLLM: one batched greedy run of the target
     served from `target_dir` (`targets.served_target_dir` of the target's spec)."""
 
     def generate(prompt_ids, max_new_tokens, stops):

@@ -6,7 +6,6 @@ printed as a table or one JSON object.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,52 +13,18 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dflash_train.config import TargetConfig, read_run_config
-from dflash_train.data.sources import DataError
 from dflash_train.errors import UserError
-from dflash_train.eval.prompts import eval_prompts, read_prompts_file
+from dflash_train.eval.prompts import read_prompts_file
+from dflash_train.eval.source import open_drafter
 from dflash_train.eval.suite_bench import eval_suites, print_suite_tables, stderr_log
 from dflash_train.eval.suites import suite_names
 from dflash_train.eval.tau import evaluate_tau
-from dflash_train.export import resolve_drafter_source
-from dflash_train.model.dflash2 import build_drafter
-from dflash_train.results import cells, eval_rows
+from dflash_train.results import cells, eval_rows, jsonable
 from dflash_train.targets import load_target
 
 
 def _err(msg: str) -> Exception:
     return UserError(msg)
-
-
-def jsonable(v: Any) -> Any:
-    """NaN/inf -> None (strict JSON), recursively."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [jsonable(x) for x in v]
-    return v
-
-
-def _run_config(run_dir: Path | None):
-    return read_run_config(run_dir)
-
-
-def heldout_from_run(run_cfg, target, num_prompts: int) -> list[str]:
-    """`eval_prompts` of the run: the prompts the in-training eval, the demo and compare score."""
-    if run_cfg is None:
-        raise _err("--prompts heldout needs the run's config.yaml (give --drafter RUN_DIR or a checkpoint "
-                   "inside one), or pass --prompts FILE.jsonl")
-    d = run_cfg.data
-    try:
-        prompts = eval_prompts(run_cfg, target, num_prompts)
-    except DataError as e:
-        raise _err(f"cannot read held-out conversations: {e}; pass --prompts FILE.jsonl") from None
-    if not prompts:
-        raise _err(f"the run's data ({d.source}, heldout_fraction={d.heldout_fraction}) has no held-out "
-                   f"conversation whose prompt fits data.max_tokens={d.max_tokens}; pass --prompts FILE.jsonl")
-    return prompts
 
 
 def _print_table(res: dict[str, Any], title: str, drafter_label: str = "DFlash drafter") -> None:
@@ -122,35 +87,17 @@ def eval_command(
     if temperature < 0:
         raise _err("--temperature must be >= 0")
     # cheap checks first: the drafter and a prompts file before loading any model
-    src = resolve_drafter_source(drafter)
+    d = open_drafter(drafter, target)  # the drafter, its run config (one rule) and its target
+    src, target_path = d.src, d.target_path
     prompt_list = None if (suites or prompts == "heldout") else read_prompts_file(prompts, num_prompts)
-    run_cfg = _run_config(src.run_dir)
-    target_path = target or src.target_path or (run_cfg.target.path if run_cfg else None)
-    if not target_path:
-        raise _err(f"{src.path}: no target recorded; pass --target")
-    tcfg = TargetConfig(path=target_path)
-    if run_cfg is not None and run_cfg.target.path == target_path:
-        tcfg = run_cfg.target
-    tgt = load_target(tcfg)
-    if src.config.vocab_size and src.config.vocab_size != tgt.vocab_size:
-        raise _err(f"drafter {src.path} was made for a vocabulary of {src.config.vocab_size}, "
-                   f"target {target_path} has {tgt.vocab_size}")
-    if src.config.hidden_size != tgt.hidden_size or max(src.config.target_layer_ids) >= tgt.num_layers:
-        raise _err(f"drafter {src.path} (hidden {src.config.hidden_size}, target layers "
-                   f"{src.config.target_layer_ids}) does not fit target {target_path} "
-                   f"(hidden {tgt.hidden_size}, {tgt.num_layers} layers)")
-    model = build_drafter(src.config, seed=seed)
-    if not untrained:
-        missing, unexpected = model.load_state_dict(src.state_dict, strict=False)
-        if missing or unexpected:
-            raise _err(f"{src.path}: weights do not fit the drafter config: missing {missing[:4]}, "
-                       f"unexpected {unexpected[:4]}")
-    model.to(tgt.device).eval()
+    tgt = load_target(d.target)
+    d.check_fits(tgt)
+    model = d.drafter(tgt.device, seed=seed, untrained=untrained)
     if suites:
         return _eval_suites(model, tgt, suites, src, target_path, num_prompts, max_new_tokens, temperature, seed,
                             untrained, as_json)
     if prompt_list is None:
-        prompt_list = heldout_from_run(run_cfg, tgt, num_prompts)
+        prompt_list = d.heldout(tgt, num_prompts)
     progress = None
     if not as_json:
         def progress(i: int, n: int) -> None:

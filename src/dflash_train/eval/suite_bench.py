@@ -26,7 +26,7 @@ from dflash_train.eval.prompts import chat_format
 from dflash_train.eval.specdec import plain_generate
 from dflash_train.eval.suites import Group, SuitePrompt, all_turns, describe, groups_of, load_suite
 from dflash_train.eval.tau import evaluate_tau
-from dflash_train.results import fmt
+from dflash_train.results import Figures, fmt, group_figures, lossless_of
 
 Log = Callable[[str], None]
 
@@ -104,11 +104,10 @@ def pool_eval(results: Sequence[dict], indices: Sequence[int]) -> dict[str, Any]
     ngram = rate("new_tokens_ngram", "seconds_ngram")
     ok, bad = lossless("outputs_match")
     ok_ng, bad_ng = lossless("outputs_match_ngram")
-    return {"tau": tau("histogram"), "tau_replay": None, "tokens_per_draft": None, "tokens_per_s": spec,
-            "speedup": spec / plain if spec and plain else None, "lossless": ok, "mismatched_prompts": bad,
-            "tau_ngram": tau("histogram_ngram"), "tokens_per_draft_ngram": None, "tokens_per_s_ngram": ngram,
-            "speedup_ngram": ngram / plain if ngram and plain else None, "lossless_ngram": ok_ng,
-            "mismatched_prompts_ngram": bad_ng, "tokens_per_s_plain": plain}
+    dflash = Figures(tau("histogram"), None, spec, spec / plain if spec and plain else None, ok, tuple(bad))
+    lookup = Figures(tau("histogram_ngram"), None, ngram, ngram / plain if ngram and plain else None, ok_ng,
+                     tuple(bad_ng))
+    return {"tau_replay": None, **group_figures(dflash, lookup, plain)}
 
 
 # ----------------------------------------------------------------- the tables
@@ -130,7 +129,7 @@ def print_suite_tables(res: dict[str, Any], title: str) -> None:
                  "tau (replay)": fmt(g["tau_replay"], ".3f", "-"), "tokens/draft": fmt(g["tokens_per_draft"], ".3f", "-"),
                  "tok/s": fmt(g["tokens_per_s"], ".2f", "-"), "vs plain": fmt(g["speedup"], ".2f", "-", "x"),
                  "n-gram tau": fmt(g["tau_ngram"], ".3f", "-"), "n-gram vs plain": fmt(g["speedup_ngram"], ".2f", "-", "x"),
-                 "plain tok/s": fmt(g["tokens_per_s_plain"], ".2f", "-"), "lossless": lossless_cell(g, sampled)}
+                 "plain tok/s": fmt(g["tokens_per_s_plain"], ".2f", "-"), "lossless": group_lossless(g, sampled)}
         t.add_row(*(cells[c] for c in cols))
     # eleven columns: piped into a file or a log, do not wrap them at rich's default 80 columns
     con = Console() if sys.stdout.isatty() else Console(width=160)
@@ -158,15 +157,11 @@ def print_suite_tables(res: dict[str, Any], title: str) -> None:
                  "(tests/test_eval_specdec.py)." if sampled else "."))
 
 
-def lossless_cell(g: dict[str, Any], sampled: bool) -> str:
+def group_lossless(g: dict[str, Any], sampled: bool) -> str:
+    """A group's lossless cell: DFlash's and n-gram's verdicts pooled (results.lossless_of)."""
     if sampled:
         return "n/a (sampling)"
-    verdicts = [(name, g[key]) for name, key in (("DFlash", "lossless"), ("n-gram", "lossless_ngram"))
-                if g.get(key) is not None]
-    if not verdicts:
-        return "-"
-    bad = [name for name, ok in verdicts if not ok]
-    return "yes" if not bad else "NO (" + ", ".join(bad) + ")"
+    return lossless_of([("DFlash", g.get("lossless")), ("n-gram", g.get("lossless_ngram"))])
 
 
 def stderr_log(message: str) -> None:

@@ -4,7 +4,7 @@ read), `drafter_config_from_hf` is THE reader (ours, or the public DFlash layout
 DFlash keys at the top level). `export.py` puts them in files; nothing else maps the keys.
 
 The reader raises KeyError (a missing key, named) or ValueError / TypeError (a bad value);
-`export.load_export_source` turns both into one line naming the file.
+`checkpoint.source.load_export_source` turns both into one line naming the file.
 """
 from __future__ import annotations
 

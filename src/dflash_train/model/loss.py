@@ -254,7 +254,7 @@ def dflash_loss(
     block_ids, labels, weights, supervised = make_blocks(
         input_ids, loss_mask, document_ids, anc, valid, bs, cfg.mask_token_id, gamma
     )
-    if getattr(cfg, "block_seeds", "none") == "prompt_lookup":
+    if cfg.block_seeds == "prompt_lookup":
         B, A = anc.shape
         keep = None
         if unseeded_fraction > 0:

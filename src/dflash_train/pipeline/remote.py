@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.data import DataOrder, RankSlice, load_prepared
-from dflash_train.data.heldout import PRECOMPUTED
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
 from dflash_train.pipeline.batch import TrainBatch
@@ -54,7 +53,7 @@ def load_trainer_target(ctx, cfg, device: torch.device, tokenizer):
     colocated rank on an online source) or runs the in-training eval (speculative decoding needs
     the whole target); otherwise the embedding, lm_head and final norm only (a split layout's
     trainer, or precomputed features)."""
-    offline = cfg.data.source.startswith(PRECOMPUTED)
+    offline = cfg.data.parsed_source.kind == "precomputed"
     captures = ctx.colocated and not offline
     if not captures and not (ctx.is_leader and cfg.eval.every_steps):
         return load_head_only_target(cfg.target, device, tokenizer)

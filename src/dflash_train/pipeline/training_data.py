@@ -13,7 +13,6 @@ from typing import Any, Callable
 import torch
 
 from dflash_train.data import load_prepared
-from dflash_train.data.heldout import PRECOMPUTED
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
 from dflash_train.pipeline.precomputed import PrecomputedFeatures, PrecomputeError
@@ -42,9 +41,10 @@ def open_training_data(cfg, load_target: Callable[[Any], Target], given_target: 
     to load the target (the whole model, or the head-only one of a trainer rank); `given_target`: one
     already loaded (the demo), used instead. `split`: a split layout's trainer (its batches come from the
     target ranks)."""
-    if cfg.data.source.startswith(PRECOMPUTED):
+    src = cfg.data.parsed_source
+    if src.kind == "precomputed":
         target = given_target or load_target(None)
-        return open_precomputed(cfg, cfg.data.source[len(PRECOMPUTED):], target, split), target
+        return open_precomputed(cfg, src.path, target, split), target
     if given_target is not None:
         tokenizer, family = given_target.tokenizer, given_target.family
     else:

@@ -23,7 +23,7 @@ def _is_matrix(p: torch.Tensor) -> bool:
 
 
 def make_optimizer(drafter: torch.nn.Module, train_cfg) -> torch.optim.Optimizer:
-    kind = getattr(train_cfg, "optimizer", "adamw")
+    kind = train_cfg.optimizer
     params = [p for p in drafter.parameters() if p.requires_grad]
     adamw_kw = dict(lr=train_cfg.lr, betas=tuple(train_cfg.betas), eps=1e-8)
     if kind == "adamw":
@@ -72,6 +72,3 @@ class MuonWithAdamW(torch.optim.Optimizer):
         # load_state_dict gives the inner optimizers new group dicts: share those again
         self.param_groups = self.muon.param_groups + self.adamw.param_groups
 
-
-def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-    return "muon" if isinstance(optimizer, MuonWithAdamW) else "adamw"

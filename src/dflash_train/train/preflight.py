@@ -87,13 +87,13 @@ def preflight(cfg: RunConfig, run_dir: Path, resume_arg: str, check_target: bool
             for line in check_resume_config(old, cfg, f"checkpoint {plan.path}"):
                 log.info("%s", line)
     d = cfg.data
-    data_paths = [("data.source", d.source, d.source[len(k):]) for k in ("jsonl:", "prepared:", "precomputed:")
-                  if d.source.startswith(k)]
+    source_path = d.parsed_source.local_path
+    data_paths = [("data.source", d.source, source_path)] if source_path is not None else []
     if d.regenerated:
-        data_paths.append(("data.regenerated", d.regenerated, d.regenerated))
+        data_paths.append(("data.regenerated", d.regenerated, Path(d.regenerated).expanduser()))
     for key, spec, path in data_paths:
-        if not Path(path).expanduser().exists():
-            raise ConfigError(f"{key}={spec}: {Path(path).expanduser()} not found")
+        if not path.exists():
+            raise ConfigError(f"{key}={spec}: {path} not found")
     if check_target:
         shape = check_target_files(cfg.target)
         if shape:

@@ -58,9 +58,9 @@ def loss_and_backward(model, target, batch, train_cfg, num_anchors: int, generat
         model, target, batch.input_ids, batch.loss_mask, batch.document_ids, batch.features,
         num_anchors=num_anchors, generator=generator, gamma=train_cfg.loss_gamma,
         chunk_blocks=train_cfg.loss_chunk_blocks, vocab_subset=vocab_subset,
-        selector_loss_weight=getattr(train_cfg, "selector_loss_weight", 1.0),
+        selector_loss_weight=train_cfg.selector_loss_weight,
         objective=objective, anchors=anchors,
-        unseeded_fraction=getattr(train_cfg, "unseeded_fraction", 0.0),
+        unseeded_fraction=train_cfg.unseeded_fraction,
     )
     out.total.backward()
     out.extra.update(sums)
