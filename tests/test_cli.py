@@ -54,22 +54,11 @@ def world(tiny_target_factory, tmp_path_factory):
     """A finished run dir with one real checkpoint (CheckpointManager, a drafter of the tiny
     target's shape), the tiny target and a small JSONL."""
     from conftest import write_tiny_jsonl
-    from dflash_train.checkpoint.manager import CheckpointManager
-    from dflash_train.config import RunConfig, save_config
-    from dflash_train.model import DFlashDrafter, DrafterConfig
+    from trainrun import write_run_with_checkpoint
 
     root = tmp_path_factory.mktemp("cli")
     target = tiny_target_factory("qwen3")
-    run = root / "run"
-    run.mkdir()
-    save_config(RunConfig(), run / "config.yaml")
-    cfg = DrafterConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                        layer_types=["full_attention"], sliding_window=None, block_size=4, mask_token_id=4,
-                        target_layer_ids=[1], num_target_layers=4, vocab_size=300)
-    mgr = CheckpointManager(run / "checkpoints", keep_last=2, async_save=False, log=lambda m: None)
-    mgr.save(2, DFlashDrafter(cfg, seed=0).state_dict(), {"optimizer": {}},
-             {"step": 2, "drafter_config": cfg.to_dict(), "target_path": "/models/t"})
-    mgr.close()
+    run = write_run_with_checkpoint(root / "run")
     (run / "run.json").write_text(json.dumps({"pid": 1, "live": False, "step": 2}))
     return {"root": root, "run": run, "target": target, "jsonl": write_tiny_jsonl(root / "conv.jsonl", n=8)}
 

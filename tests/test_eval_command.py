@@ -93,8 +93,8 @@ def test_eval_command_json_export_dir(setup, capsys):
     assert "plain decoding" in out and "speedup" in out
 
 
-def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
-    t, dr, tdir, *_ = setup
+def _run_on_forty_questions(tmp_path, tdir):
+    """A run dir (not yet with its config.yaml) whose config trains on 40 short questions, 30 % held out."""
     run = tmp_path / "run"
     run.mkdir()
     data = tmp_path / "convs.jsonl"
@@ -102,10 +102,14 @@ def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
         {"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
         {"from": "gpt", "value": f"It is {2 * i}."}]}) + "\n" for i in range(40)))
     rc = RunConfig()
-    rc.target.path = str(tdir)
-    rc.target.device = "cpu"
-    rc.data.source = f"jsonl:{data}"
-    rc.data.heldout_fraction = 0.3
+    rc.target.path, rc.target.device = str(tdir), "cpu"
+    rc.data.source, rc.data.heldout_fraction = f"jsonl:{data}", 0.3
+    return run, data, rc
+
+
+def test_eval_command_run_dir_heldout(setup, tmp_path, capsys):
+    t, dr, tdir, *_ = setup
+    run, data, rc = _run_on_forty_questions(tmp_path, tdir)
     # a demo run trains on regenerated answers; held-out prompts still come from the source
     regen = tmp_path / "regenerated.jsonl"
     regen.write_text(json.dumps({"id": "r0", "conversations": [{"from": "human", "value": "hi"},
@@ -349,15 +353,7 @@ def test_eval_and_serve_bench_find_one_run_config_for_an_export_in_its_run(setup
     from dflash_train.eval.source import heldout_from_run, open_drafter
 
     t, dr, tdir, *_ = setup
-    run = tmp_path / "run"
-    run.mkdir()
-    data = tmp_path / "convs.jsonl"
-    data.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
-        {"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
-        {"from": "gpt", "value": f"It is {2 * i}."}]}) + "\n" for i in range(40)))
-    rc = RunConfig()
-    rc.target.path, rc.target.device = str(tdir), "cpu"
-    rc.data.source, rc.data.heldout_fraction = f"jsonl:{data}", 0.3
+    run, data, rc = _run_on_forty_questions(tmp_path, tdir)
     save_config(rc, run / "config.yaml")
     exp = write_export(dr.cfg, dr.state_dict(), run / "export", provenance={"target_path": str(tdir)})
     src = resolve_drafter_source(exp)

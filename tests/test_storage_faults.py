@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from trainrun import CLI, REPO, env, losses, metrics, tiny_overrides, train_cmd
+from trainrun import CLI, REPO, env, losses, metrics, tiny_overrides, train_cmd, write_run_with_checkpoint
 
 FILLER = "filler"
 # fill the file system holding argv[1] but for argv[2] bytes (a file of preallocated blocks)
@@ -335,21 +335,7 @@ def test_precompute_on_a_full_disk_is_one_line_and_the_same_command_goes_on(tiny
 @pytest.fixture
 def run_with_checkpoint(tmp_path) -> Path:
     """A run dir with one real checkpoint (written by CheckpointManager, no training)."""
-    from dflash_train.checkpoint.manager import CheckpointManager
-    from dflash_train.config import RunConfig, save_config
-    from dflash_train.model import DFlashDrafter, DrafterConfig
-
-    run = tmp_path / "run"
-    run.mkdir()
-    save_config(RunConfig(), run / "config.yaml")
-    cfg = DrafterConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
-                        layer_types=["full_attention"], sliding_window=None, block_size=4, mask_token_id=4,
-                        target_layer_ids=[1], num_target_layers=4, vocab_size=300)
-    mgr = CheckpointManager(run / "checkpoints", keep_last=2, async_save=False, log=lambda m: None)
-    mgr.save(2, DFlashDrafter(cfg, seed=0).state_dict(), {"optimizer": {}},
-             {"step": 2, "drafter_config": cfg.to_dict(), "target_path": "/models/t"})
-    mgr.close()
-    return run
+    return write_run_with_checkpoint(tmp_path / "run")
 
 
 def test_export_on_a_full_disk_changes_nothing_at_out_and_the_same_command_goes_on(run_with_checkpoint, tmpfs):

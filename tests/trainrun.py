@@ -159,3 +159,22 @@ def assert_same_training_state(ckpt: Path, reference: Path) -> None:
     diffs = _differences(ta, tb, "model") + _differences(oa, ob, "state")
     assert not diffs, "\n".join(diffs[:20])
     assert oa["optimizer"]["state"], "no optimizer state to compare"
+
+
+def write_run_with_checkpoint(run: Path) -> Path:
+    """A run dir with one real checkpoint at step 2 (CheckpointManager, no training): a drafter of the
+    tiny target's shape and the default config."""
+    from dflash_train.checkpoint.manager import CheckpointManager
+    from dflash_train.config import RunConfig, save_config
+    from dflash_train.model import DFlashDrafter, DrafterConfig
+
+    run.mkdir(parents=True)
+    save_config(RunConfig(), run / "config.yaml")
+    cfg = DrafterConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                        layer_types=["full_attention"], sliding_window=None, block_size=4, mask_token_id=4,
+                        target_layer_ids=[1], num_target_layers=4, vocab_size=300)
+    mgr = CheckpointManager(run / "checkpoints", keep_last=2, async_save=False, log=lambda m: None)
+    mgr.save(2, DFlashDrafter(cfg, seed=0).state_dict(), {"optimizer": {}},
+             {"step": 2, "drafter_config": cfg.to_dict(), "target_path": "/models/t"})
+    mgr.close()
+    return run
