@@ -127,7 +127,7 @@ class Oracle(torch.nn.Module):
     def __init__(self, input_ids, vocab, shift, bs):
         super().__init__()
         self.ids, self.V, self.shift = input_ids, vocab, shift
-        self.cfg = SimpleNamespace(block_size=bs, mask_token_id=vocab - 1)
+        self.cfg = SimpleNamespace(block_size=bs, mask_token_id=vocab - 1, block_seeds="none")
         self.fc = torch.nn.Linear(1, 1)  # dtype probe
         self.scale = torch.nn.Parameter(torch.tensor(20.0))
 
