@@ -104,7 +104,7 @@ def test_cache_reuse_and_invalidation(tmp_path, tiny_jsonl, qtok):
 
 def test_prepared_dir_source_and_prepare_command(tmp_path, tiny_jsonl, tiny_target_dir, qtok, capsys):
     cfg = _cfg(tmp_path, f"jsonl:{tiny_jsonl}", f"target.path={tiny_target_dir}")
-    out = prepare_command(cfg, tmp_path / "prep")
+    out = prepare_command(cfg, tmp_path / "prep", qtok, "qwen3")
     assert (out / "index.json").is_file() and (out / "heldout.jsonl").is_file()
     assert "rows x 256 tokens" in capsys.readouterr().err
     direct = read_prepared(out)
@@ -117,7 +117,7 @@ def test_prepared_dir_source_and_prepare_command(tmp_path, tiny_jsonl, tiny_targ
     with pytest.raises(DataError, match="index.json"):
         load_prepared(_cfg(tmp_path, f"prepared:{tmp_path}"), qtok, "qwen3")
     # default output: the cache dir load_prepared uses
-    dest = prepare_command(cfg, None)
+    dest = prepare_command(cfg, None, qtok, "qwen3")
     assert load_prepared(cfg, qtok, "qwen3").stats["cache"] == "hit"
     assert dest == load_prepared(cfg, qtok, "qwen3").path
 

@@ -106,8 +106,10 @@ def prepare_data(
 
     def go():
         from dflash_train.data.prepare import prepare_command
+        from dflash_train.targets import load_tokenizer
 
-        prepare_command(_load_config(config, overrides), out)
+        cfg = _load_config(config, overrides)
+        prepare_command(cfg, out, *load_tokenizer(cfg.target))
 
     _guard(go)
 

@@ -54,7 +54,6 @@ from dflash_train.data.augment import copy_task_documents
 from dflash_train.data.template import ChatFormat, TemplateMismatch
 from dflash_train.errors import parse_file
 from dflash_train.storage import StorageError, writing
-from dflash_train.targets import load_tokenizer
 from dflash_train.utils import save_safetensors
 
 log = logging.getLogger(__name__)
@@ -346,11 +345,10 @@ def load_prepared(cfg, tokenizer, family: str | None = None,
     return data
 
 
-def prepare_command(cfg, out: Path | None) -> Path:
-    """`dflash-train prepare-data`: tokenise + template + loss-mask once, into
-    `out` (default: the cache directory load_prepared will look in)."""
+def prepare_command(cfg, out: Path | None, tokenizer, family: str) -> Path:
+    """`dflash-train prepare-data`: tokenise + template + loss-mask once with the target's `tokenizer`
+    (of chat `family`), into `out` (default: the cache directory load_prepared will look in)."""
     console = Console(stderr=True)
-    tokenizer, family = load_tokenizer(cfg.target)
     with Progress(TextColumn("[bold]preparing[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
         task = bar.add_task(cfg.data.regenerated or cfg.data.source, total=None)
