@@ -1,7 +1,7 @@
 """One rank of tests/test_train_ranks_update.py (run with torchrun, gloo): rank 0 stands for the
 target rank, ranks 1..N-1 are trainers; each trainer takes its share of the rows of a fixed batch
 (anchors fixed beforehand), runs the training step's forward/backward through DDP and
-`normalise_gradients`, and rank 1 saves the resulting gradients."""
+`scale_gradients` over the all-reduced weight, and rank 1 saves the resulting gradients."""
 from __future__ import annotations
 
 import sys
@@ -13,7 +13,7 @@ from dflash_train.config import load_config
 from dflash_train.model import dflash_loss
 from dflash_train.model.objectives import Objective
 from dflash_train.train.distributed import DistContext
-from dflash_train.train.step import normalise_gradients
+from dflash_train.train.step import scale_gradients
 from test_model_objectives import H, setup
 
 
@@ -30,7 +30,10 @@ def step_gradients(ctx, kind: str, rows: list[int]) -> dict[str, torch.Tensor]:
                           gamma=3.0, chunk_blocks=2, anchors=(anchors[0][sl], anchors[1][sl]), objective=obj)
         out.total.backward()
         total_weight += out.weight_sum
-    normalise_gradients(d, total_weight, ctx)
+    total = total_weight.reshape(1).clone()
+    if ctx is not None:
+        ctx.all_reduce_sum_(total)  # the step's weight over every trainer rank, as TrainStep reduces it
+    scale_gradients(d, total[0], ctx.num_trainers if ctx is not None else 1)
     return {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
 
 

@@ -209,13 +209,18 @@ class Pipeline:
                 continue
         return False
 
+    def _source_device(self) -> torch.device:
+        """Where the source's batches appear (a test's source may not say: the host)."""
+        dev = getattr(self.source, "device", None)
+        return dev if isinstance(dev, torch.device) else torch.device("cpu")
+
     def _worker_loop(self) -> None:
         name = threading.current_thread().name
         name_os_thread(name)
         stream = None
         try:
-            src_dev = getattr(self.source, "device", torch.device("cpu"))
-            if isinstance(src_dev, torch.device) and src_dev.type == "cuda":
+            src_dev = self._source_device()
+            if src_dev.type == "cuda":
                 stream = torch.cuda.Stream(src_dev)
             while not self._stop.is_set():
                 t0 = time.perf_counter()
@@ -253,9 +258,8 @@ class Pipeline:
         pending: dict[int, _Raw] = {}
         want = 0
         copy_stream = None
-        src_dev = getattr(self.source, "device", torch.device("cpu"))  # where the target's batches appear
-        for dev in (self.trainer_device, src_dev):
-            if isinstance(dev, torch.device) and dev.type == "cuda":
+        for dev in (self.trainer_device, self._source_device()):
+            if dev.type == "cuda":
                 copy_stream = torch.cuda.Stream(dev)
                 break
         try:

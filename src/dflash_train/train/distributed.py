@@ -161,10 +161,6 @@ class DistContext:
         dist.all_gather_object(out, obj, group=self.trainer_group)
         return out
 
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.trainer_group)
-
     def no_sync(self, model):
         return model.no_sync() if isinstance(model, _DDP) else contextlib.nullcontext()
 

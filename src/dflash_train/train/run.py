@@ -321,11 +321,11 @@ class Trainer:
         pipe = self._pipeline()
         interval = IntervalMeter(self.drafter_cfg.block_size, self.device)
         t_start, stop_reason, self._step_times, self._last_saved = time.time(), None, [], self.state.step
-        wants_stop = self._wants_stop(stopper, t_start)
-        voted = self.ctx.agree_stop(wants_stop())  # a stop asked for during set-up, agreed before step 1
+        voted = self.ctx.agree_stop(self._wants_stop(stopper, t_start))  # asked for during set-up: before step 1
         try:
             while (stop_reason := self._stop_reason(stopper, t_start, voted)) is None:
-                res = self.step(pipe.get, on_policy=self._on_policy_step(), stop_vote=wants_stop)
+                res = self.step(pipe.get, on_policy=self._on_policy_step(),
+                                stop_vote=lambda: self._wants_stop(stopper, t_start))
                 voted = res.stop
                 self._account(res, interval, pipe.stats)
                 metrics.advance(self.state.step)
@@ -350,20 +350,18 @@ class Trainer:
             raise self.faults.final_error(self.state.step, self._last_ckpt_name())
         return 1 if stop_reason == "non-finite" else 0
 
-    def _wants_stop(self, stopper, t_start: float):
+    def _wants_stop(self, stopper, t_start: float) -> bool:
         """This rank's stop vote, asked at the end of each step: a signal, the time budget, or a
         failed checkpoint write (train/faults.py)."""
-        def vote() -> bool:
-            t = self.cfg.train
-            faulty = not self._checkpoints_ok()
-            return faulty or stopper.stop_requested or (t.max_seconds > 0 and time.time() - t_start >= t.max_seconds)
-        return vote
+        t = self.cfg.train
+        faulty = not self._checkpoints_ok()
+        return faulty or stopper.stop_requested or (t.max_seconds > 0 and time.time() - t_start >= t.max_seconds)
 
     def _stop_reason(self, stopper, t_start: float, voted: bool) -> str | None:
         """At a step boundary: every rank stops after the same step. `voted`: some rank voted to stop
         during the last step (the vote rides on the step's all-reduce); alone, the vote is asked now."""
         t = self.cfg.train
-        if voted or (not self.ctx.distributed and self._wants_stop(stopper, t_start)()):
+        if voted or (not self.ctx.distributed and self._wants_stop(stopper, t_start)):
             if self.faults.fatal is not None:
                 return "storage fault"
             return stopper.signal_name or ("time budget" if t.max_seconds else "peer rank")

@@ -6,7 +6,7 @@ optimizer and scheduler step; it returns a `StepResult`. The loop around it
 (train/run.py) decides when to stop, log, evaluate and checkpoint.
 
 Normalisation: each micro-batch backpropagates its UNNORMALISED sum of weight * term;
-`normalise_gradients` then divides by the sum of weights over every micro-batch of the
+`scale_gradients` then divides by the sum of weights over every micro-batch of the
 step and every trainer rank. So the update is the gradient of the weighted mean over the
 whole step's batch, whatever its split into micro-batches and ranks (DDP averages the
 ranks' gradients: hence the factor num_trainers)."""
@@ -45,7 +45,7 @@ def loss_and_backward(model, target, batch, train_cfg, num_anchors: int, generat
     """Forward + loss of one micro-batch (a TrainBatch on the model's device) and the backward
     of its unnormalised total (see the module doc; `grad_accum` is kept for callers, the
     normalisation by the step's weight sum replaces the division by it). The caller holds
-    autocast / no_sync around it and calls `normalise_gradients` after the last micro-batch."""
+    autocast / no_sync around it and calls `scale_gradients` after the last micro-batch."""
     del grad_accum
     objective = objective or Objective.from_train_config(train_cfg)
     anchors, sums = None, {}
@@ -67,20 +67,9 @@ def loss_and_backward(model, target, batch, train_cfg, num_anchors: int, generat
     return out
 
 
-def normalise_gradients(drafter: torch.nn.Module, weight_sum: torch.Tensor | float, ctx=None) -> torch.Tensor:
-    """Divide the accumulated gradients by the step's total weight (this rank's `weight_sum`
-    summed over trainer ranks by `ctx`), times the number of trainer ranks whose gradients
-    DDP / FSDP averaged. Returns the total weight as a tensor (no host read; 0 for a batch
-    with nothing supervised: the gradients stay 0)."""
-    total = torch.as_tensor(weight_sum, dtype=torch.float32).detach().reshape(1).clone()
-    if ctx is not None:
-        ctx.all_reduce_sum_(total)
-    scale_gradients(drafter, total[0], ctx.num_trainers if ctx is not None else 1)
-    return total[0]
-
-
 def scale_gradients(drafter: torch.nn.Module, total_weight: torch.Tensor, num_trainers: int) -> None:
-    """grad *= num_trainers / total_weight, on the device (the rule of `normalise_gradients`)."""
+    """grad *= num_trainers / total_weight, on the device: the step's one normalisation (the module doc),
+    with `total_weight` the step's weight summed over every micro-batch and trainer rank."""
     scale = num_trainers / total_weight.clamp_min(1e-12)
     for p in drafter.parameters():
         if p.grad is not None:
@@ -133,7 +122,7 @@ class TrainStep:
     ``forward_backward_step``: zero the gradients; per micro-batch (``train.grad_accum``)
     the forward + loss + backward under DDP ``no_sync`` (all but the last) and autocast
     (``train.dtype=bfloat16``); one normalisation of the accumulated gradient over the
-    step's weight (`normalise_gradients`); clipping; the finite-loss agreement of every
+    step's weight (`scale_gradients`); clipping; the finite-loss agreement of every
     trainer rank (non-finite: the update is skipped); optimizer and scheduler step.
     The Trainer runs it, `bench` times it (and `compare` trains its variants with the
     Trainer). `build` makes the optimizer, scheduler and objective the same way for both."""
