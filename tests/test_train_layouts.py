@@ -96,3 +96,22 @@ def test_split_wire_sends_nothing_an_nccl_world_refuses(tiny_target_factory, tmp
     checked = spy_log.read_text().splitlines()
     assert checked.count("send ok") >= 3 * 6 and checked.count("recv ok") >= 3 * 6  # 3 batches, 6 parts each
     assert sorted(losses(tmp_path / "split")) == [1, 2, 3]
+
+
+def test_layouts_that_cannot_run_are_refused_at_start_in_one_line(tiny_target_factory, tmp_path):
+    """torchrun as a user runs it: FSDP2 with the in-training eval (the leader alone would run the sharded
+    forward: a hang later), and a split with more target ranks than trainers (a target with no trainer would
+    wait forever). Each rank exits 2 with the line, before any config.yaml or checkpoint is written."""
+    over = _setup(tiny_target_factory, tmp_path, **{"train.max_steps": 2})
+    res = _torchrun(tmp_path / "fsdp2-eval", over + ["pipeline.layout=colocated", "train.sharding=fsdp2",
+                                                     "eval.every_steps=2"])
+    assert res.returncode != 0
+    assert "eval.every_steps with train.sharding=fsdp2 is not supported" in res.stderr, res.stderr[-3000:]
+    # the ranks exit 2 with the line; the only traceback is torchrun's own ChildFailedError
+    assert "exitcode  : 2" in res.stderr and "src/dflash_train/" not in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "fsdp2-eval" / "config.yaml").exists()
+    res = _torchrun(tmp_path / "split", over + ["pipeline.layout=split", "pipeline.target_ranks=2"], nproc=3)
+    assert res.returncode != 0
+    assert "pipeline.target_ranks=2 makes 2 targets for 1 trainer rank(s)" in res.stderr, res.stderr[-3000:]
+    assert "exitcode  : 2" in res.stderr and "src/dflash_train/" not in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "split" / "config.yaml").exists()
