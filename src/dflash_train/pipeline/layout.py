@@ -40,12 +40,12 @@ class StageRates:
                 f"{gpus - n['split_target_ranks']} trainer ranks ~{n['split']:,.0f} tok/s: {faster} is faster")
 
 
-def rates_from_interval(tokens: float, seconds: float, target_busy: float, trainer_busy: float) -> StageRates | None:
-    """A colocated rank's rates from one logging interval: `tokens` trained in `seconds`, the stages busy
-    these fractions of it (StageStats). Each stage alone is at least as fast as its share here."""
-    if tokens <= 0 or seconds <= 0 or target_busy <= 0 or trainer_busy <= 0:
+def rates_from_interval(tokens_per_s: float, target_busy: float, trainer_busy: float) -> StageRates | None:
+    """A colocated rank's rates from one logging interval: it trained `tokens_per_s`, its stages busy these
+    fractions of the interval (StageStats). Each stage alone is at least as fast as its share here."""
+    if tokens_per_s <= 0 or target_busy <= 0 or trainer_busy <= 0:
         return None
-    return StageRates(tokens / (seconds * target_busy), tokens / (seconds * trainer_busy), tokens / seconds)
+    return StageRates(tokens_per_s / target_busy, tokens_per_s / trainer_busy, tokens_per_s)
 
 
 def check_layout(cfg, world_size: int) -> None:
@@ -84,8 +84,8 @@ def advice(rec: dict, colocated: bool, num_trainers: int, node_gpus: int) -> str
     """One log line from a logging interval's record (metrics.jsonl: tokens_per_s over every trainer
     rank, the stages' busy / wait fractions): the rule with this run's rates, or a starving split."""
     if colocated:
-        rates = rates_from_interval(rec["tokens_per_s"] / max(num_trainers, 1), 1.0,
-                                    rec.get("target_busy", 0.0), rec.get("trainer_busy", 0.0))
+        rates = rates_from_interval(rec["tokens_per_s"] / max(num_trainers, 1), rec.get("target_busy", 0.0),
+                                    rec.get("trainer_busy", 0.0))
         return f"layout colocated, measured {rates.describe(node_gpus)}" if rates else None
     wait = rec.get("trainer_wait", 0.0)
     if wait > 0.5:
