@@ -28,6 +28,13 @@ GEMMA3_270M = "embedded:gemma3-270m"
 EMBEDDED_TARGETS = (SMOLLM2_135M_INSTRUCT, GEMMA3_270M)
 EMBEDDED_TARGET = SMOLLM2_135M_INSTRUCT
 
+# apply_chat_template's own arguments: never template variables (data.chat_template_kwargs)
+TEMPLATE_CALL_ARGUMENTS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                           "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                           "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                           "tokenizer_kwargs")
+
+
 
 class ConfigError(ValueError):
     """A user mistake in a config file or override; the message says where."""
@@ -102,6 +109,9 @@ class TargetConfig(_Section):
     path: str = EMBEDDED_TARGET
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # the chat template in place of the tokenizer's own: a .jinja file, a tokenizer_config.json, a
+    # .gguf or a tokenizer directory (targets/chat_template.py); None = the tokenizer's
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,19 @@ class DataConfig(_Section):
     # prompts in the benchmark suites' domains appended after `source`'s conversations
     # (data/domains.py): {"code": N, "passages": M}; the target answers them like the rest
     domain_prompts: dict[Literal["code", "passages"], NonNegativeInt] = Field(default_factory=dict)
+
+    # extra variables of the chat template, in regenerate's prompts and the training rows alike
+    # (data/template.py), e.g. {enable_thinking: false} (Qwen3), {reasoning_effort: low} (gpt-oss),
+    # {date_string: "26 Jul 2024"} (Llama 3.x: a fixed date instead of the day's)
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(v) & set(TEMPLATE_CALL_ARGUMENTS))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the chat format itself, not a template variable")
+        return v
 
     @field_validator("source")
     @classmethod

@@ -315,7 +315,7 @@ def regenerate_conversations(cfg, out: Path, answerer: Answerer, max_conversatio
         console.print(f"regenerate: all {len(convs)} conversations already in {out}")
         return counts
     tokenizer, family = answerer.tokenizer_and_family()
-    fmt = ChatFormat(tokenizer, family)
+    fmt = ChatFormat(tokenizer, family, template_kwargs=cfg.data.chat_template_kwargs)
     items: list[tuple[Conversation, list[int]]] = []
     for c in todo:
         first = c.first_exchange()

@@ -24,6 +24,7 @@ import torch
 
 from dflash_train.config import EMBEDDED_TARGETS, TargetConfig
 from dflash_train.errors import UserError, first_line
+from dflash_train.targets.chat_template import apply_chat_template_override, read_chat_template
 from dflash_train.targets.gguf import (converted_dir, embedded_family, embedded_gguf_path, gguf_family, gguf_model,
                                        gguf_path_of, gguf_tokenizer)
 from dflash_train.targets.model import FAMILY_BY_MODEL_TYPE, Target, TargetError
@@ -62,6 +63,8 @@ def check_target_files(cfg: TargetConfig) -> dict[str, int] | None:
     """Cheap checks of the target's files before anything loads; a problem raises
     TargetError naming the file. For a HF directory returns {"num_layers", "vocab_size"}
     from config.json (None where the file is silent), else None."""
+    if cfg.chat_template:  # the template file a user points at: refused before anything loads
+        read_chat_template(cfg.chat_template)
     spec = cfg.path
     if spec.startswith("embedded:"):
         embedded_gguf_path(spec)  # unknown name, or its package missing: one line
@@ -132,7 +135,13 @@ class TokenizerOnly:
 
 
 def load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
-    """(tokenizer, family) of the target, without loading its weights."""
+    """(tokenizer, family) of the target, without loading its weights; its chat template is
+    `target.chat_template`'s when set."""
+    tok, family = _load_tokenizer(cfg)
+    return apply_chat_template_override(tok, cfg.chat_template), family
+
+
+def _load_tokenizer(cfg: TargetConfig) -> tuple[Any, str]:
     from transformers import AutoTokenizer
 
     spec = cfg.path
@@ -219,7 +228,7 @@ def load_target(cfg: TargetConfig, device: torch.device | str | None = None, tok
     model.to(dev)
     model.eval()
     model.requires_grad_(False)
-    target = Target(model, tokenizer, source=str(spec))
+    target = Target(model, apply_chat_template_override(tokenizer, cfg.chat_template), source=str(spec))
     target.serving_dtype = serving_dtype_of(cfg)
     log.info("loaded %r in %.1fs", target, time.perf_counter() - t0)
     return target
