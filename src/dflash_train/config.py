@@ -35,7 +35,6 @@ TEMPLATE_CALL_ARGUMENTS = ("conversation", "messages", "tools", "documents", "ch
                            "tokenizer_kwargs")
 
 
-
 class ConfigError(ValueError):
     """A user mistake in a config file or override; the message says where."""
 
@@ -117,27 +116,32 @@ class TargetConfig(_Section):
 @dataclass(frozen=True)
 class DataSource:
     """``data.source`` parsed, THE reading of its kind (`DataConfig.parsed_source`; YAML keeps the string)."""
-    kind: str  # sharegpt | jsonl | hf | prepared | precomputed
-    path: str  # the file / directory (jsonl, prepared, precomputed), the dataset (hf), "" (sharegpt)
+    # sharegpt | jsonl | dataset (a Parquet / Arrow file or a directory of them: a Hugging Face data set
+    # saved with save_to_disk or downloaded from the hub; data/sources.py) | hf | prepared | precomputed
+    kind: str
+    path: str  # the file / directory (jsonl, dataset, prepared, precomputed), the dataset (hf), "" (sharegpt)
+
+    KINDS_WITH_PATH = ("jsonl", "dataset", "hf", "prepared", "precomputed")
 
     @property
     def has_conversations(self) -> bool:  # prepared / precomputed hold rows / features
-        return self.kind in ("sharegpt", "jsonl", "hf")
+        return self.kind in ("sharegpt", "jsonl", "dataset", "hf")
 
     @property
     def local_path(self) -> Path | None:  # None: sharegpt's package, the hf hub
-        return Path(self.path).expanduser() if self.kind in ("jsonl", "prepared", "precomputed") else None
+        return Path(self.path).expanduser() if self.kind in ("jsonl", "dataset", "prepared", "precomputed") else None
 
     @classmethod
     def parse(cls, spec: str) -> "DataSource":
         kind, sep, path = spec.partition(":")
-        if spec == "sharegpt" or (sep and path and kind in ("jsonl", "hf", "prepared", "precomputed")):
+        if spec == "sharegpt" or (sep and path and kind in cls.KINDS_WITH_PATH):
             return cls(kind, path)
-        raise ValueError(f"unknown source {spec!r}; use one of sharegpt, jsonl:PATH, hf:NAME, prepared:DIR, precomputed:DIR")
+        raise ValueError(f"unknown source {spec!r}; use one of sharegpt, jsonl:PATH, dataset:PATH (Parquet / Arrow "
+                         "file or directory), hf:NAME, prepared:DIR, precomputed:DIR")
 
 
 class DataConfig(_Section):
-    # sharegpt | jsonl:PATH | hf:NAME | prepared:DIR | precomputed:DIR (read through `parsed_source`)
+    # sharegpt | jsonl:PATH | dataset:PATH | hf:NAME | prepared:DIR | precomputed:DIR (read through `parsed_source`)
     source: str = "sharegpt"
     limit: int | None = Field(2000, ge=1)
     max_tokens: int = Field(256, ge=8)
@@ -155,7 +159,6 @@ class DataConfig(_Section):
     # prompts in the benchmark suites' domains appended after `source`'s conversations
     # (data/domains.py): {"code": N, "passages": M}; the target answers them like the rest
     domain_prompts: dict[Literal["code", "passages"], NonNegativeInt] = Field(default_factory=dict)
-
     # extra variables of the chat template, in regenerate's prompts and the training rows alike
     # (data/template.py), e.g. {enable_thinking: false} (Qwen3), {reasoning_effort: low} (gpt-oss),
     # {date_string: "26 Jul 2024"} (Llama 3.x: a fixed date instead of the day's)
@@ -180,8 +183,15 @@ class DataConfig(_Section):
         return DataSource.parse(self.source)
 
 
+DEFAULT_MAX_STEPS = 200
+
+
 class TrainConfig(_Section):
-    max_steps: int = Field(200, ge=1)
+    # how long, one of the two: max_steps optimizer steps, or epochs passes over the training rows
+    # (steps = ceil(epochs * rows / global batch), worked out and logged at start-up: train/schedule.py;
+    # a float, so a large data set can be trained for half an epoch). Neither: max_steps 200
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
     lr: float = Field(6e-4, gt=0, le=1.0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_fraction: float = Field(0.04, ge=0, lt=1)
@@ -238,8 +248,20 @@ class TrainConfig(_Section):
     # DFlash 2: weight alpha of the selector's K-way cross-entropy added to the DFlash loss
     selector_loss_weight: float = Field(1.0, ge=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_length(cls, data: Any) -> Any:
+        # the default lives here, not on the field: a config that names epochs has max_steps unset
+        if isinstance(data, dict) and data.get("max_steps") is None and data.get("epochs") is None:
+            return {**data, "max_steps": DEFAULT_MAX_STEPS}
+        return data
+
     @model_validator(mode="after")
     def _check_objective(self) -> "TrainConfig":
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError(f"train.max_steps={self.max_steps} and train.epochs={self.epochs:g} are both set; "
+                             "a run is as long as one of them: add train.max_steps=null to train by epochs "
+                             "(or train.epochs=null to train by steps)")
         if self.loss_ce_weight > 0 and self.loss not in ("distill", "lk_alpha", "lk_lambda"):
             raise ValueError(f"loss_ce_weight mixes cross-entropy into distill / lk_alpha / lk_lambda; "
                              f"train.loss={self.loss} has no such mix (set train.loss_ce_weight=0)")

@@ -16,9 +16,10 @@ from dflash_train.config import ConfigError, RunConfig
 
 RESUME_MAY_CHANGE: tuple[str, ...] = (
     "name",
-    "train.max_steps", "train.max_seconds", "train.max_consecutive_skips",
-    # the lr schedule: lr(step) = train.lr * factor(step; max_steps, warmup_fraction, min_lr_ratio),
-    # recomputed with the new values from the first step after the resume
+    "train.max_steps", "train.epochs", "train.max_seconds", "train.max_consecutive_skips",
+    # the lr schedule: lr(step) = train.lr * factor(step; steps, warmup_fraction, min_lr_ratio), steps =
+    # max_steps or the epochs' steps (train/schedule.py), recomputed with the new values from the first
+    # step after the resume
     "train.lr", "train.min_lr_ratio", "train.warmup_fraction",
     # placement / speed only
     "train.device", "train.compile", "train.activation_checkpointing", "train.loss_chunk_blocks",
@@ -29,7 +30,7 @@ RESUME_MAY_CHANGE: tuple[str, ...] = (
     "pipeline.queue_depth", "pipeline.num_target_workers", "pipeline.cache_features",
     "checkpoint.*", "eval.*", "logging.*", "demo.*",
 )
-LR_SCHEDULE_KEYS = ("train.lr", "train.min_lr_ratio", "train.warmup_fraction", "train.max_steps")
+LR_SCHEDULE_KEYS = ("train.lr", "train.min_lr_ratio", "train.warmup_fraction", "train.max_steps", "train.epochs")
 
 
 def may_change_on_resume(key: str) -> bool:

@@ -23,10 +23,12 @@ from dflash_train.train.state import TrainState, check_recipe, restore_payload
 log = logging.getLogger("dflash_train")
 
 
-def resume_run(plan, cfg, drafter_cfg, step, ctx, generators: dict, run_dir: Path, resume_arg: str) -> TrainState | None:
+def resume_run(plan, cfg, drafter_cfg, step, ctx, generators: dict, run_dir: Path, resume_arg: str,
+               total_steps: int) -> TrainState | None:
     """Put back the checkpoint `plan` names (chosen and verified by preflight) into `step`'s drafter,
     optimizer and scheduler and this rank's RNG `generators`; its TrainState. A fresh start (None)
-    sets what an earlier run left aside first (the leader)."""
+    sets what an earlier run left aside first (the leader). `total_steps`: the run's step count now
+    (train.max_steps, or what train.epochs makes of the rows: train/schedule.py)."""
     path = plan.path
     if path is None:
         if ctx.is_leader:
@@ -45,7 +47,7 @@ def resume_run(plan, cfg, drafter_cfg, step, ctx, generators: dict, run_dir: Pat
                                 log)
     except UserError as e:
         raise TrainError(str(e)) from None
-    apply_schedule_changes(step.scheduler, step.optimizer, plan.config, cfg)
+    apply_schedule_changes(step.scheduler, step.optimizer, plan.config, cfg, total_steps)
     log.info("resumed from %s at step %d (%d tokens trained)", path, state.step, state.tokens)
     if ctx.is_leader:
         settle_timeline(run_dir, path, state.step)
@@ -71,11 +73,12 @@ def drafter_mismatch(manifest: dict, drafter_cfg, path: Path, target_path: str) 
             f"the run was trained against?)" + (f"; also {diff[1:]}" if diff[1:] else ""))
 
 
-def apply_schedule_changes(scheduler, optimizer, resume_config: dict | None, cfg) -> None:
-    """THE resume rule for the lr schedule: lr(step) = train.lr * lr_factor(step; max_steps,
-    warmup_fraction, min_lr_ratio) with the CURRENT values. The restored scheduler keeps
-    its step count; when a schedule key changed, its base lr becomes the new train.lr and
-    the lr of the next step is recomputed (unchanged config: restored as saved, bit-exact)."""
+def apply_schedule_changes(scheduler, optimizer, resume_config: dict | None, cfg, total_steps: int) -> None:
+    """THE resume rule for the lr schedule: lr(step) = train.lr * lr_factor(step; total_steps,
+    warmup_fraction, min_lr_ratio) with the CURRENT values (`total_steps`: train.max_steps, or the
+    steps of train.epochs). The restored scheduler keeps its step count; when a schedule key changed
+    (train.epochs among them), its base lr becomes the new train.lr and the lr of the next step is
+    recomputed (unchanged config: restored as saved, bit-exact)."""
     if resume_config is None:
         return
     if not any(k in LR_SCHEDULE_KEYS for k, _, _ in config_changes(resume_config, cfg)):
@@ -86,10 +89,10 @@ def apply_schedule_changes(scheduler, optimizer, resume_config: dict | None, cfg
     scheduler.base_lrs = [t.lr * g.get("lr_mult", 1.0) for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["initial_lr"] = t.lr * g.get("lr_mult", 1.0)
-        g["lr"] = g["initial_lr"] * lr_factor(s, t.max_steps, t.warmup_fraction, t.min_lr_ratio)
+        g["lr"] = g["initial_lr"] * lr_factor(s, total_steps, t.warmup_fraction, t.min_lr_ratio)
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-    log.info("resume: lr schedule recomputed at step %d: lr %.3g (train.lr %.3g, max_steps %d)", s,
-             optimizer.param_groups[0]["lr"], t.lr, t.max_steps)
+    log.info("resume: lr schedule recomputed at step %d: lr %.3g (train.lr %.3g, %d steps)", s,
+             optimizer.param_groups[0]["lr"], t.lr, total_steps)
 
 
 def keep_fresh_start_aside(run_dir: Path, resume_arg: str) -> None:

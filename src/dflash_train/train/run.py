@@ -14,7 +14,6 @@ in-training eval callback), train/faults.py (what a refused write does to the ru
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
 import random
@@ -53,6 +52,7 @@ from dflash_train.train.preflight import (
     refuse_busy,
 )
 from dflash_train.train.resume import resume_run
+from dflash_train.train.schedule import step_budget
 from dflash_train.train.state import TrainState, checkpoint_meta, checkpoint_payload, recipe_of
 from dflash_train.train.step import TrainStep, capped_anchors
 from dflash_train.train.vocab_subset import vocab_subset_from_rows
@@ -172,6 +172,9 @@ class Trainer:
         if self._given_target is not None:
             self._log_target(self.target, 0.0)
         self.num_anchors = capped_anchors(cfg.train.num_anchors, int(self.data.input_ids.shape[1]))
+        # THE step count (train.max_steps, or train.epochs over these rows), before the schedule is laid out
+        self.budget = step_budget(cfg.train, self.data.document_ids, self.ctx.num_trainers)
+        log.info("%s", self.budget.line())
         self.evals.pick_prompts(self.target)
         self.vocab_subset = vocab_subset_from_rows(self.data.input_ids, self.data.loss_mask, cfg.train.vocab_subset)
         self.drafter_cfg = DrafterConfig.from_target(cfg.model, self.target)
@@ -204,7 +207,8 @@ class Trainer:
         # wrap before the optimizer exists: FSDP2 replaces the parameters with sharded ones
         self.model = self.ctx.wrap_model(self.drafter)
         self.anchor_gen = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1_000_003 * self.ctx.trainer_index)
-        self.step = TrainStep.build(self.drafter, self.target, cfg.train, self.num_anchors, self.anchor_gen,
+        train_cfg = cfg.train.model_copy(update={"max_steps": self.budget.steps})  # what the schedule spans
+        self.step = TrainStep.build(self.drafter, self.target, train_cfg, self.num_anchors, self.anchor_gen,
                                     self.vocab_subset, self.ctx, model=self.model)
         self.optimizer, self.scheduler = self.step.optimizer, self.step.scheduler
         # train.compile: one compiled graph shared by the layers (the mask and anchor code around them stays
@@ -224,7 +228,7 @@ class Trainer:
     def _resume(self) -> None:
         """The checkpoint preflight chose, put back (train/resume.py); a fresh start sets older files aside."""
         state = resume_run(self.plan, self.cfg, self.drafter_cfg, self.step, self.ctx, self._rng_generators(),
-                           self.run_dir, self.resume_arg)
+                           self.run_dir, self.resume_arg, self.budget.steps)
         self.state = state or self.state
 
     # ------------------------------------------------------------------ the loop
@@ -274,7 +278,7 @@ class Trainer:
 
     def _on_policy_step(self) -> bool:
         t = self.cfg.train
-        return t.anchors == "on_policy" and self.state.step >= int(t.on_policy_start * t.max_steps)
+        return t.anchors == "on_policy" and self.state.step >= int(t.on_policy_start * self.budget.steps)
 
     def _on_commit(self, step: int, path: Path) -> None:
         if self.record is not None:  # writer thread; RunRecord.update is thread-safe
@@ -315,7 +319,7 @@ class Trainer:
 
     def _loop(self, stopper) -> int:
         """Steps until a stop; logging, eval and checkpoints each decide their own timing."""
-        metrics = self._metrics = MetricsLogger(self.run_dir, self.cfg.train.max_steps, self.state.step,
+        metrics = self._metrics = MetricsLogger(self.run_dir, self.budget.steps, self.state.step,
                                                 self.cfg.logging.tensorboard, self.cfg.logging.progress,
                                                 enabled=self.is_leader)
         pipe = self._pipeline()
@@ -365,7 +369,8 @@ class Trainer:
             if self.faults.fatal is not None:
                 return "storage fault"
             return stopper.signal_name or ("time budget" if t.max_seconds else "peer rank")
-        return "max_steps" if self.state.step >= t.max_steps else None
+        # "max_steps" also when train.epochs set the count: compare reads it as a finished run
+        return "max_steps" if self.state.step >= self.budget.steps else None
 
     def _account(self, res, interval: IntervalMeter, stats) -> None:
         """The step's result into the run's state, the interval meter and the stage timers."""
