@@ -105,7 +105,8 @@ def test_prepare_data_writes_the_rows(world):
                 "data.max_tokens=64", f"data.cache_dir={world['root'] / 'cache'}")
     assert res.returncode == 0, res.stderr[-3000:]
     index = json.loads((out / "index.json").read_text())
-    assert index["num_rows"] > 0 and index["shards"], index
+    assert index["num_rows"] > 0 and index["arrays"], index
+    assert all((out / f"{a}.npy").is_file() for a in index["arrays"]), index
 
 
 @pytest.mark.parametrize("args, needle", [

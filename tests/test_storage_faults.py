@@ -449,7 +449,7 @@ def test_prepare_data_onto_a_full_disk_keeps_the_previous_output_and_the_same_co
     # the rows and held-out conversations byte for byte; index.json differs in its timings only
     assert {k: v for k, v in new.items() if k != "index.json"} == {k: v for k, v in ok.items() if k != "index.json"}
     index, ok_index = (json.loads((d / "index.json").read_text()) for d in (out, healthy))
-    assert {k: index[k] for k in ("key", "shards", "num_rows")} == {k: ok_index[k] for k in ("key", "shards", "num_rows")}
+    assert {k: index[k] for k in ("key", "arrays", "num_rows")} == {k: ok_index[k] for k in ("key", "arrays", "num_rows")}
 
 
 def test_data_cache_and_tensorboard_that_cannot_be_written_warn_once_and_the_run_goes_on(train_setup, tmp_path):

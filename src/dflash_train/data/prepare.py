@@ -10,74 +10,65 @@
    assistant-only loss mask (`dflash_train.data.template`), cut by
    ``data.long_rule`` and packed into rows of ``data.max_tokens``
    (`dflash_train.data.packing`; documents with fewer than
-   ``model.block_size + 1`` supervised tokens are dropped and counted).
+   ``model.block_size + 1`` supervised tokens are dropped and counted),
+   on every core the process is given (`dflash_train.data.prepare_build`).
 
-The result is cached on disk in ``data.cache_dir/<key>/``: ``index.json``
-(inputs, stats, shard list), ``rows-NNNNN.safetensors`` (``input_ids`` int64,
-``loss_mask`` bool, ``document_ids`` int32; up to 8192 rows each) and
-``heldout.jsonl``. ``<key>`` hashes the format version, the source spec and
+The result is cached on disk in ``data.cache_dir/<key>/`` in the form
+`dflash_train.data.prepared_store` describes (flat arrays that readers memory-map,
+``index.json``, ``heldout.jsonl``). ``<key>`` hashes the format version, the source spec and
 the identity of its file (path, size, mtime; the package version for
 ShareGPT), limit, max_tokens, long_rule, heldout_fraction, the drop rule,
 the regenerated file's identity and the tokenizer (its full serialisation,
 chat template, family). Same inputs -> the cache is reused; any change -> a
-new key. ``data.source=prepared:DIR`` reads such a directory directly (its
+new key (caches of the older format have another key: they are rebuilt, not read).
+``data.source=prepared:DIR`` reads such a directory directly (its
 tokenizer fingerprint and max_tokens must match).
+
+One build per cache directory at a time: the builder holds an exclusive flock on the
+directory the cache lives in; every other process (the other ranks of a torchrun node,
+another prepare-data) waits on it, then finds the cache whole and reads it. A killed build
+leaves no ``index.json`` (the rows are renamed into place whole) but keeps its finished
+tokenised shards beside it: the same command goes on from them.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
-from dataclasses import dataclass, field
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dflash_train.config import DataSource
+from dflash_train.data.augment import copy_task_documents
 from dflash_train.data.domains import domain_conversations, domains_identity
-from dflash_train.data.packing import Document, cut_document, pack_documents
+from dflash_train.data.prepare_build import CutRule, ShardReader, available_cores, fresh_work_dir, tokenize_shards, \
+    write_docs, write_rows
+from dflash_train.data.prepared_store import FORMAT_VERSION, PreparedData, read_prepared, write_heldout, write_index
 from dflash_train.data.sources import (
     Conversation,
     DataError,
     ReadStats,
     is_heldout,
+    dataset_identity,
     read_conversations,
     sharegpt_identity,
 )
-from dflash_train.data.augment import copy_task_documents
-from dflash_train.data.template import ChatFormat, TemplateMismatch
-from dflash_train.errors import parse_file
+from dflash_train.data.template import ChatFormat
 from dflash_train.storage import StorageError, writing
-from dflash_train.utils import save_safetensors
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-ROWS_PER_SHARD = 8192
-
-
-@dataclass
-class PreparedData:
-    input_ids: torch.Tensor      # [N, T] int64
-    loss_mask: torch.Tensor      # [N, T] bool
-    document_ids: torch.Tensor   # [N, T] int32, -1 = padding
-    heldout: list[Conversation]  # eval prompts: .prompt (first user text), .reference (first answer)
-    stats: dict[str, Any] = field(default_factory=dict)
-    path: Path | None = None     # the cache / prepared directory it came from
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def max_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+__all__ = ["FORMAT_VERSION", "PreparedData", "build_prepared", "load_prepared", "prepare_command", "read_prepared"]
 
 
 # --------------------------------------------------------------------------- identities
@@ -110,6 +101,8 @@ def _source_identity(spec: str) -> str:
         return sharegpt_identity()
     if src.kind == "jsonl":
         return _file_identity(Path(src.path))
+    if src.kind == "dataset":
+        return dataset_identity(src.path)
     return spec
 
 
@@ -134,6 +127,7 @@ def cache_inputs(cfg, tokenizer, family: str | None) -> dict[str, Any]:
         "min_supervised": min_supervised_for(cfg),
         "tokenizer": tokenizer_fingerprint(tokenizer, family),
         "family": family,
+        "chat_template_kwargs": d.chat_template_kwargs or None,
     }
 
 
@@ -164,146 +158,148 @@ def _with_domains(limit: int | None, domains: dict[str, int]) -> int | None:
     return None if limit is None else limit + sum(domains.values())
 
 
-def build_prepared(cfg, tokenizer, family: str | None,
-                   progress: Callable[[int, int], None] | None = None) -> PreparedData:
-    """Read, split, format, cut and pack (no disk cache)."""
+def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: dict[str, Any],
+                   progress: Callable[[int, int], None] | None = None, workers: int | None = None) -> PreparedData:
+    """Read, split, format, cut and pack into `out_dir` (replaced whole at the end, through a temp
+    dir beside it), then read it back memory-mapped. `workers`: worker processes (default: the
+    cores this process is given). A write the file system refuses raises StorageError naming
+    `out_dir` and leaves nothing beside it; any other end keeps the finished shards for the next
+    build of the same inputs (``.NAME.build`` beside `out_dir`)."""
     t0 = time.perf_counter()
     d = cfg.data
+    out_dir = Path(out_dir)
+    key = cache_key(inputs)
     convs, rstats = read_source_conversations(cfg)
-    fmt = ChatFormat(tokenizer, family)
     train = [c for c in convs if not is_heldout(c, d.heldout_fraction)]
     heldout = [c for c in convs if is_heldout(c, d.heldout_fraction)]
-    skipped = dict(rstats.skipped)
-    examples = {k: list(v) for k, v in rstats.examples.items()}
-    min_sup = min_supervised_for(cfg)
-    docs: list[Document] = []
-    n_long = dropped = 0
-    for i, conv in enumerate(train):
-        try:
-            enc = fmt.encode(conv.messages)
-        except TemplateMismatch:
-            skipped["template_mismatch"] = skipped.get("template_mismatch", 0) + 1
-            examples.setdefault("template_mismatch", [])
-            if len(examples["template_mismatch"]) < 5:
-                examples["template_mismatch"].append(conv.id)
-            continue
-        pieces, was_long = cut_document(enc.input_ids, enc.loss_mask, d.max_tokens, d.long_rule)
-        n_long += was_long
-        for p in pieces:
-            if p.supervised >= min_sup:
-                docs.append(p)
-            else:
-                dropped += 1
-        if progress is not None:
-            progress(i + 1, len(train))
-    n_real = len(docs)
-    if d.copy_task_docs:
-
-        # prompts come from the original source (a regenerated file holds few of them)
-        src_convs, _ = read_conversations(d.source, max(d.limit or 0, 4 * d.copy_task_docs))
-        docs += copy_task_documents(src_convs, fmt, tokenizer, d.copy_task_docs, d.max_tokens, d.heldout_fraction,
-                                    seed=int(cfg.train.seed))
-    if not n_real:
-        raise DataError(
-            f"{d.regenerated or d.source}: no training rows: {len(train)} training conversation(s), "
-            f"{dropped} document(s) dropped for fewer than {min_sup} supervised tokens "
-            f"(max_tokens={d.max_tokens}, long_rule={d.long_rule})"
-        )
-    pad_id = tokenizer.pad_token_id
-    if pad_id is None:
-        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    input_ids, loss_mask, document_ids = pack_documents(docs, d.max_tokens, int(pad_id), min_room=min_sup)
-    n_tok = int((document_ids >= 0).sum())
-    stats = {
-        "source": d.regenerated or d.source,
-        "conversations_read": rstats.read,
-        "train_conversations": len(train),
-        "heldout_conversations": len(heldout),
-        "skipped": skipped,
-        "skipped_examples": examples,
-        "truncated_item": rstats.truncated_item,
-        "long_conversations": n_long,
-        "long_rule": d.long_rule,
-        "documents": len(docs),
-        "copy_task_documents": len(docs) - n_real,
-        "dropped_documents": dropped,
-        "min_supervised": min_sup,
-        "rows": int(input_ids.shape[0]),
-        "max_tokens": d.max_tokens,
-        "tokens": n_tok,
-        "supervised_tokens": int(loss_mask.sum()),
-        "fill": n_tok / float(input_ids.numel()),
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-    return PreparedData(input_ids, loss_mask, document_ids, heldout, stats)
-
-
-# --------------------------------------------------------------------------- disk
-
-
-def save_prepared(data: PreparedData, out_dir: Path, inputs: dict[str, Any]) -> Path:
-    """Write `data` to `out_dir` atomically (a temp dir renamed into place); files get
-    the usual (umask-respecting) permissions, like every file a server may read. A write the
-    file system refuses raises StorageError naming `out_dir`; the temp dir is removed."""
-
-    out_dir = Path(out_dir)
+    del convs
+    rule = CutRule(int(d.max_tokens), d.long_rule, min_supervised_for(cfg), dict(d.chat_template_kwargs or {}))
+    t_read = time.perf_counter()
+    work = out_dir.parent / f".{out_dir.name}.build"
     tmp = out_dir.parent / f".{out_dir.name}.tmp{os.getpid()}"
+    done = False
     try:
         with writing(out_dir):
-            _write_prepared(data, tmp, inputs)
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            fresh_work_dir(work, key)
+            log.info("preparing %d training conversations of %s on up to %d worker(s) into %s",
+                     len(train), d.regenerated or d.source, workers or available_cores(), out_dir)
+            try:
+                names, records, used = tokenize_shards(train, tokenizer, family, rule, work, workers, progress)
+            except BrokenProcessPool:
+                raise DataError(f"prepare-data: a worker process died (killed, out of memory?) while preparing "
+                                f"{out_dir}; the same command goes on after the shards already done") from None
+            t_tok = time.perf_counter()
+            stats = _shard_stats(records, rstats, rule)
+            if not stats["documents"]:
+                raise DataError(
+                    f"{d.regenerated or d.source}: no training rows: {len(train)} training conversation(s), "
+                    f"{stats['dropped_documents']} document(s) dropped for fewer than {rule.min_supervised} "
+                    f"supervised tokens (max_tokens={d.max_tokens}, long_rule={d.long_rule})")
+            if d.copy_task_docs:
+                # prompts come from the original source (a regenerated file holds few of them)
+                src_convs, _ = read_conversations(d.source, max(d.limit or 0, 4 * d.copy_task_docs))
+                fmt = ChatFormat(tokenizer, family, template_kwargs=rule.template_kwargs)
+                docs = copy_task_documents(src_convs, fmt, tokenizer, d.copy_task_docs,
+                                           d.max_tokens, d.heldout_fraction, seed=int(cfg.train.seed))
+                extra = write_docs(work, "copy-task", docs, {"conversations": 0})
+                names.append("copy-task")
+                stats["copy_task_documents"] = extra["docs"]
+                stats["documents"] += extra["docs"]
+                stats["tokens"] += extra["tokens"]
+                stats["supervised_tokens"] += extra["supervised"]
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            reader = ShardReader(work, names)
+            try:
+                n_rows = write_rows(reader, tmp, rule.max_tokens, _pad_id(tokenizer), rule.min_supervised)
+            finally:
+                reader.close()
+            seconds = time.perf_counter() - t0
+            stats.update(source=d.regenerated or d.source, conversations_read=rstats.read,
+                         train_conversations=len(train), heldout_conversations=len(heldout), rows=n_rows,
+                         max_tokens=rule.max_tokens, fill=stats["tokens"] / float(n_rows * rule.max_tokens),
+                         seconds=round(seconds, 3), workers=used,
+                         # where the time went: reading the source and packing are the serial parts
+                         phase_seconds={"read": round(t_read - t0, 3), "tokenize": round(t_tok - t_read, 3),
+                                        "pack": round(time.perf_counter() - t_tok, 3)},
+                         tokens_per_second=round(stats["tokens"] / max(seconds, 1e-9), 1))
+            write_heldout(tmp, heldout)
+            write_index(tmp, inputs, key, n_rows, rule.max_tokens, stats)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             os.replace(tmp, out_dir)
+            done = True
+    except (StorageError, DataError):
+        shutil.rmtree(work, ignore_errors=True)  # a full disk or bad input: nothing is left beside out_dir
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failure's leftovers
-    return out_dir
+        if done:
+            shutil.rmtree(work, ignore_errors=True)
+    return read_prepared(out_dir)
 
 
-def _write_prepared(data: PreparedData, tmp: Path, inputs: dict[str, Any]) -> None:
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shards = []
-    for k, s in enumerate(range(0, data.num_rows, ROWS_PER_SHARD)):
-        name = f"rows-{k:05d}.safetensors"
-        e = s + ROWS_PER_SHARD
-        save_safetensors({"input_ids": data.input_ids[s:e].contiguous(),
-                          "loss_mask": data.loss_mask[s:e].contiguous(),
-                          "document_ids": data.document_ids[s:e].contiguous()}, tmp / name)
-        shards.append({"file": name, "rows": int(min(e, data.num_rows) - s)})
-    with (tmp / "heldout.jsonl").open("w") as f:
-        for c in data.heldout:
-            f.write(json.dumps(c.to_json(), ensure_ascii=False) + "\n")
-    index = {"format_version": FORMAT_VERSION, "inputs": inputs, "key": cache_key(inputs), "shards": shards,
-             "num_rows": data.num_rows, "max_tokens": data.max_tokens, "stats": data.stats}
-    (tmp / "index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+def _shard_stats(records: list[dict[str, Any]], rstats: ReadStats, rule: CutRule) -> dict[str, Any]:
+    """The shards' counts added up in shard order (so the examples are the same whatever the workers)."""
+    skipped = dict(rstats.skipped)
+    examples = {k: list(v) for k, v in rstats.examples.items()}
+    mismatched = sum(r["template_mismatch"] for r in records)
+    if mismatched:
+        skipped["template_mismatch"] = skipped.get("template_mismatch", 0) + mismatched
+        ex = examples.setdefault("template_mismatch", [])
+        for r in records:
+            ex.extend(r["mismatch_examples"][:max(0, 5 - len(ex))])
+    return {"skipped": skipped, "skipped_examples": examples, "truncated_item": rstats.truncated_item,
+            "long_conversations": sum(r["long"] for r in records), "long_rule": rule.long_rule,
+            "documents": sum(r["docs"] for r in records), "copy_task_documents": 0,
+            "dropped_documents": sum(r["dropped"] for r in records), "min_supervised": rule.min_supervised,
+            "tokens": sum(r["tokens"] for r in records), "supervised_tokens": sum(r["supervised"] for r in records)}
 
 
-def read_prepared(path: Path) -> PreparedData:
-    from safetensors.torch import load_file
+def _pad_id(tokenizer) -> int:
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return int(pad_id)
 
-    path = Path(path)
-    idx_file = path / "index.json"
-    index = parse_file(idx_file, json.loads, DataError, f"{path} is not a prepared-data directory (no index.json)",
-                       lambda e: f"{idx_file}: unreadable ({e})", (json.JSONDecodeError,))
-    if index.get("format_version") != FORMAT_VERSION:
-        raise DataError(f"{path}: prepared-data format {index.get('format_version')}, this version reads {FORMAT_VERSION}; "
-                        "run prepare-data again")
-    parts = [load_file(str(path / s["file"])) for s in index["shards"]]
-    cat = lambda k: torch.cat([p[k] for p in parts]) if parts else torch.empty(0)  # noqa: E731
-    heldout = []
-    hf = path / "heldout.jsonl"
-    if hf.is_file():
-        heldout = [Conversation.from_json(json.loads(line)) for line in hf.read_bytes().split(b"\n") if line.strip()]  # "\n" only: answers may hold U+2028
-    data = PreparedData(cat("input_ids"), cat("loss_mask"), cat("document_ids"), heldout,
-                        dict(index.get("stats", {})), path)
-    data.stats["inputs"] = index.get("inputs", {})
-    return data
+
+@contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """An exclusive flock on `directory` for one build in it: the other ranks of a node (or other
+    commands) wait here instead of building the same rows beside it. A lock on the directory
+    itself, not a lock file: nothing is left behind, and the kernel drops it when its holder dies."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process preparing data in %s", directory)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def cache_dir_for(cfg, tokenizer, family: str | None) -> tuple[Path, dict[str, Any]]:
     inputs = cache_inputs(cfg, tokenizer, family)
     return Path(cfg.data.cache_dir).expanduser() / cache_key(inputs), inputs
+
+
+def _cached(cdir: Path, inputs: dict[str, Any], say: bool = True) -> PreparedData | None:
+    if not (cdir / "index.json").is_file():
+        return None
+    try:
+        data = read_prepared(cdir)
+    except (DataError, OSError, KeyError, ValueError) as e:
+        if say:
+            log.warning("rebuilding unreadable prepared-data cache %s: %s", cdir, e)
+        return None
+    if data.stats.get("inputs") != inputs:
+        return None
+    data.stats["cache"] = "hit"
+    return data
 
 
 def load_prepared(cfg, tokenizer, family: str | None = None,
@@ -326,22 +322,22 @@ def load_prepared(cfg, tokenizer, family: str | None = None,
     if src.kind == "precomputed" and not d.regenerated:
         raise DataError(f"data.source={d.source}: precomputed features are read by the pipeline, not by load_prepared")
     cdir, inputs = cache_dir_for(cfg, tokenizer, family)
-    if (cdir / "index.json").is_file():
-        try:
-            data = read_prepared(cdir)
-            if data.stats.get("inputs") == inputs:
-                data.stats["cache"] = "hit"
-                return data
-        except (DataError, OSError, KeyError, ValueError) as e:
-            log.warning("rebuilding unreadable prepared-data cache %s: %s", cdir, e)
-    data = build_prepared(cfg, tokenizer, family, progress)
+    data = _cached(cdir, inputs)
+    if data is not None:
+        return data
     try:
-        save_prepared(data, cdir, inputs)
-        data.path = cdir
-    except StorageError as e:  # the rows are in memory: a cache that cannot be written costs time, not data
+        with writing(cdir), build_lock(cdir.parent):
+            data = _cached(cdir, inputs, say=False)  # built by the process this one waited for
+            if data is None:
+                data = build_prepared(cfg, tokenizer, family, cdir, inputs, progress)
+                data.stats["cache"] = "miss"
+    except StorageError as e:  # a cache that cannot be written costs time, not data
         log.warning("could not write the prepared-data cache: %s", e)
+        with tempfile.TemporaryDirectory(prefix="dflash-prepared-") as tmp:
+            data = build_prepared(cfg, tokenizer, family, Path(tmp) / "rows", inputs, progress)
+        data.path = None  # the mapped files outlive their (removed) directory
+        data.stats["cache"] = "miss"
     data.stats["inputs"] = inputs
-    data.stats["cache"] = "miss"
     return data
 
 
@@ -360,9 +356,10 @@ def prepare_command(cfg, out: Path | None, tokenizer, family: str) -> Path:
             data = load_prepared(cfg, tokenizer, family, progress)
             dest = data.path
         else:
-            inputs = cache_inputs(cfg, tokenizer, family)
-            data = build_prepared(cfg, tokenizer, family, progress)
-            dest = save_prepared(data, Path(out), inputs)
+            out = Path(out)
+            with writing(out), build_lock(out.parent):
+                data = build_prepared(cfg, tokenizer, family, out, cache_inputs(cfg, tokenizer, family), progress)
+            dest = out
     s = data.stats
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(s.get("skipped", {}).items())) or "none"
     console.print(
@@ -370,7 +367,9 @@ def prepare_command(cfg, out: Path | None, tokenizer, family: str) -> Path:
         f"skipped: {skipped}; {s['rows']} rows x {s['max_tokens']} tokens, fill {s['fill']:.2f}, "
         f"{s['supervised_tokens']} supervised tokens, {s['dropped_documents']} short documents dropped"
         + (f"; source file cut off at item {s['truncated_item']['index']}" if s.get("truncated_item") else "")
-        + (" (cached)" if s.get("cache") == "hit" else "")
+        + (" (cached)" if s.get("cache") == "hit" else
+           f"; {s['tokens']} tokens in {s['seconds']:.1f}s on {s['workers']} worker(s), "
+           f"{s['tokens_per_second']:.0f} tokens/s")
     )
     print(dest)
     return Path(dest) if dest else Path(".")

@@ -2,7 +2,12 @@
 (``jsonl:`` / ShareGPT / HF / ``prepared:``: data/prepare.py, captured online by the target) and
 precomputed features (``precomputed:DIR``: pipeline/precompute.py), and loads the target in the
 order each needs: prepared data first from the tokenizer alone (a data mistake shows before the
-target's weights load), precomputed features after the target (they are checked against it)."""
+target's weights load), precomputed features after the target (they are checked against it).
+
+Prepared rows are memory-mapped (data/prepared_store.py): a rank holds the rows its batches copy
+out, and the ranks of a node share one page cache of them. Under torchrun every rank calls this;
+load_prepared lets one process per cache directory build a missing cache while the others wait
+for it (data/prepare.py `build_lock`), so the ranks of a node never build the same rows twice."""
 from __future__ import annotations
 
 import logging
