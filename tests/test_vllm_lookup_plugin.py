@@ -3,8 +3,8 @@
 Unit tests of the plugin's own code run here, in the trainer's environment (numpy + torch, no vLLM):
 its lookup proposal equals the trainer's rule (model/lookup.py), the gate's and the seed's edges,
 the version pin and the switch. The end-to-end tests serve a tiny target in vLLM's environment
-(.venv-vllm, where `make vllm` installs the plugin) with vLLM's own worker: one run with the plugin
-off (plain + DFlash), one with the gate, one with seeded blocks; every output equals plain vLLM's.
+(.venv-vllm, where `make vllm` installs the plugin) with our worker: one job with the gate, seeded
+blocks, then plain and DFlash with the plugin off for them; every output equals plain vLLM's.
 """
 from __future__ import annotations
 
@@ -165,17 +165,18 @@ def prompts() -> list[list[int]]:
             (span[:8] + [17]) * 3]
 
 
-def serve(target: Path, export: Path, tmp: Path, mode: str, methods: list[str]) -> tuple[dict, str]:
-    """vLLM's worker (engine/vllm_worker.py), as serve-bench runs it, with DFLASH_LOOKUP=`mode`:
-    its result and its log."""
+def serve(target: Path, export: Path, tmp: Path, methods: list[dict], caller_lookup: str) -> tuple[dict, str]:
+    """vLLM's worker (engine/vllm_worker.py), as serve-bench runs it, on `methods` (the plugin's mode in a
+    method's "lookup"), with DFLASH_LOOKUP=`caller_lookup` in the caller's environment (which the worker
+    must not let reach the engines of the other methods): its result by method name and its log."""
     from dflash_train.engine.vllm_process import WORKER
 
     job = {"target": str(target), "dtype": "float32", "max_model_len": 256, "max_new_tokens": MAX_NEW,
            "prompts": prompts(),
-           "methods": [{"name": m, "k": K, **({"model": str(export)} if m == "dflash" else {})} for m in methods]}
-    job_file, result_file = tmp / f"job-{mode}.json", tmp / f"result-{mode}.json"
+           "methods": [{"k": K, **m, **({"model": str(export)} if m["name"] != "plain" else {})} for m in methods]}
+    job_file, result_file = tmp / "job.json", tmp / "result.json"
     job_file.write_text(json.dumps(job))
-    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": kv_cache_gib(), "DFLASH_LOOKUP": mode, "OMP_NUM_THREADS": "1"})
+    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": kv_cache_gib(), "DFLASH_LOOKUP": caller_lookup, "OMP_NUM_THREADS": "1"})
     r = subprocess.run([str(vllm_python()), str(WORKER), str(job_file), str(result_file)], capture_output=True,
                        text=True, env=env, cwd=tmp, timeout=900)
     res = json.loads(result_file.read_text())
@@ -185,8 +186,9 @@ def serve(target: Path, export: Path, tmp: Path, mode: str, methods: list[str]) 
 
 @pytest.fixture(scope="module")
 def served(tiny_target_factory, tmp_path_factory):
-    """One tiny drafter, served three times: plugin off (plain + DFlash), gate, seeded blocks.
-    (~3.5 min on 2 cores: the training and four engine starts.)"""
+    """One tiny drafter, served by one worker job: the gate, seeded blocks, then plain and DFlash with the
+    plugin off for them (after the plugin's engines, with DFLASH_LOOKUP=seed+gate in the caller's
+    environment: neither may leak into them). (~3 min on 2 cores: the training and four engine starts.)"""
     from test_engine_vllm import train_and_export
 
     root = tmp_path_factory.mktemp("lookup_plugin")
@@ -195,18 +197,20 @@ def served(tiny_target_factory, tmp_path_factory):
     # trained with lookup-seeded blocks (half of them masks only): the drafter the seed mode is for
     export = train_and_export(root, str(target), data, 60, "model.num_layers=2", "model.target_layer_ids=[1,2]",
                               "model.block_seeds=prompt_lookup", "train.unseeded_fraction=0.5")
-    runs = {mode: serve(target, export, root, mode, methods)
-            for mode, methods in (("off", ["plain", "dflash"]), ("gate", ["dflash"]), ("seed", ["dflash"]))}
-    return runs
+    rows, log = serve(target, export, root, [{"name": "gate", "lookup": "gate"}, {"name": "seed", "lookup": "seed"},
+                                             {"name": "plain"}, {"name": "dflash"}], caller_lookup="seed+gate")
+    return rows, log
 
 
 @needs_vllm
-def test_plugin_loads_in_vllm_and_off_is_plain_dflash(served):
-    _, log_off = served["off"]
-    assert "dflash-lookup" not in log_off  # off: not a line, not a patch
+def test_plugin_loads_in_vllm_only_for_its_methods(served):
+    rows, log = served
     for mode in ("gate", "seed"):
-        _, log = served[mode]
         assert f"dflash-lookup 0.1.0 on: {mode}, min match 3" in log, log[-3000:]
+        # the worker checked that the plugin patched the engine's process (DFLASH_LOOKUP_RECORD)
+        assert rows[mode]["lookup"]["mode"] == mode and rows[mode]["lookup"]["processes"] >= 1
+    assert "on: gate+seed" not in log  # the caller's DFLASH_LOOKUP reached no engine
+    assert rows["plain"]["lookup"] is None and rows["dflash"]["lookup"] is None
 
 
 def counters(row: dict) -> tuple[float, float, float]:
@@ -217,16 +221,17 @@ def counters(row: dict) -> tuple[float, float, float]:
 
 @needs_vllm
 def test_gate_and_seed_lossless_with_accepted_tokens(served):
-    rows, _ = served["off"]
+    rows, _ = served
     plain, dflash = rows["plain"]["outputs"], rows["dflash"]
     assert dflash["outputs"] == plain
     for mode in ("gate", "seed"):
-        d = served[mode][0]["dflash"]
+        d = rows[mode]
         assert d["outputs"] == plain, mode  # lossless: verification is vLLM's
         drafts, draft_tokens, accepted = counters(d)
         assert drafts > 0 and draft_tokens == K * drafts and 0 <= accepted <= draft_tokens, (mode, counters(d))
     # (this 60-step drafter accepts nothing with or without seeds on these prompts; the gate's tokens are accepted)
-    assert counters(served["gate"][0]["dflash"])[2] > 0
+    assert counters(rows["gate"])[2] > 0
     # the gate drafts lookup's copy where the outputs repeat the context: more accepted than DFlash alone
-    gate = counters(served["gate"][0]["dflash"])
+    # (which ran after it: the gate did not stay patched into a later engine)
+    gate = counters(rows["gate"])
     assert gate[2] > counters(dflash)[2], (gate, counters(dflash))

@@ -9,7 +9,9 @@
   3. train    the online pipeline for the config's budget
   4. export   config.json + model.safetensors + model card
   5. judge    demo.judge=engine: the export served by vLLM beside plain vLLM and
-              vLLM's n-gram drafting, the engine's own counters (tau, tok/s,
+              vLLM's n-gram drafting, and with our vLLM plugin's prompt lookup
+              (`dflash+lookup`, when .venv-vllm has the plugin: `make vllm`
+              installs it), the engine's own counters (tau, tok/s,
               lossless), and our replay tau of the same drafter on plain vLLM's
               outputs; in the same engine runs, demo.suite_prompts items of each
               benchmark suite (MT-Bench, HumanEval: one row per suite); k from
@@ -38,10 +40,10 @@ from dflash_train.data import load_prepared
 from dflash_train.data.regenerate import BatchedEngine, InProcess, regenerate_conversations
 from dflash_train.errors import UserError
 from dflash_train.engine.k_sweep import AUTO, check_k, print_sweep, sweep_k
-from dflash_train.engine.measure import measurement, serve_methods
+from dflash_train.engine.measure import LOOKUP, measurement, serve_methods
 from dflash_train.engine.serve_bench import print_engine_table
-from dflash_train.engine.suite_serving import suite_result
-from dflash_train.engine.vllm_process import vllm_answers
+from dflash_train.engine.suite_serving import print_lookup_suites, suite_result
+from dflash_train.engine.vllm_process import lookup_plugin_missing, vllm_answers, vllm_python
 from dflash_train.eval.in_training import HeldoutEval
 from dflash_train.eval.prompts import chat_format, encode_prompts, eval_prompts
 from dflash_train.eval.replay import replay_acceptance
@@ -110,6 +112,7 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
         print_engine_table(summary["engine"], "served by vLLM on the held-out prompts")
         if summary.get("suites"):
             print_suite_tables(summary["suites"], "served by vLLM in the same engine runs, per suite")
+            print_lookup_suites(summary["suites"])
         for line in explanation(summary):
             out.print(f"  {line}", markup=False)
         return
@@ -126,11 +129,14 @@ def print_comparison(summary: dict, out: Console | None = None) -> None:
 
 
 def engine_summary(engine: dict, replay_tau: float | None, **extra) -> dict:
-    """summary.json's content when the engine judges: vLLM's rows (plain, n-gram, DFlash) by
-    method, our replay tau of the same drafter on plain vLLM's outputs, and `extra`."""
+    """summary.json's content when the engine judges: vLLM's rows (plain, n-gram, DFlash, DFlash +
+    lookup) by method, our replay tau of the same drafter on plain vLLM's outputs, and `extra`."""
     rows = {r["method"]: r for r in engine["rows"]}
     dfl, ng, plain = rows.get("dflash", {}), rows.get("ngram", {}), rows.get("plain", {})
+    lk = rows.get(LOOKUP, {})
     summary = {
+        "tau_engine_lookup": lk.get("tau"), "tokens_per_s_engine_lookup": lk.get("tokens_per_s"),
+        "speedup_engine_lookup": lk.get("speedup"), "lossless_engine_lookup": lk.get("lossless"),
         "judge": "engine",
         "tau_engine_dflash": dfl.get("tau"), "tau_engine_ngram": ng.get("tau"),
         "tokens_per_s_engine_dflash": dfl.get("tokens_per_s"), "tokens_per_s_engine_ngram": ng.get("tokens_per_s"),
@@ -155,8 +161,19 @@ def _regenerate(cfg: RunConfig, target, out: Path) -> None:
                              max_new_tokens=demo.regenerate_tokens, batch_size=demo.regenerate_batch, temperature=0.0)
 
 
-def judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path) -> dict:
-    """The export served by vLLM beside plain vLLM and vLLM's n-gram on the held-out prompts and,
+def engine_methods() -> tuple[str, ...]:
+    """What the demo serves: plain, n-gram, DFlash, and DFlash + lookup where .venv-vllm has our plugin
+    (a user's own vLLM without it: the rest, and one line saying so)."""
+    why = lookup_plugin_missing(vllm_python())
+    if why:
+        console.print(f"serving without {LOOKUP}: {why}", markup=False)
+        return ("plain", "ngram", "dflash")
+    return ("plain", "ngram", "dflash", LOOKUP)
+
+
+def judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path,
+                    methods: tuple[str, ...] = ("plain", "ngram", "dflash")) -> dict:
+    """The export served by vLLM with `methods` (the demo's: `engine_methods()`) on the held-out prompts and,
     in the same engine runs (no extra starts), `demo.suite_prompts` items of each benchmark suite;
     `demo.serve_k: auto` sweeps k first. Our replay tau of the same drafter on plain vLLM's outputs
     of the held-out prompts (masks only, as the engine drafts) for the agreement check."""
@@ -165,16 +182,17 @@ def judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path) -> dict:
     log = lambda m: console.print(m, markup=False)  # noqa: E731
     k, sweep = cfg.demo.serve_k or None, None
     if k == AUTO:
-        sweep = sweep_k(export_dir, target_dir, ids, stops, cfg.eval.max_new_tokens, log=log)
+        sweep = sweep_k(export_dir, target_dir, ids, stops, cfg.eval.max_new_tokens, log=log,
+                        lookup=[m for m in methods if m == LOOKUP])
         print_sweep(sweep, console)
-        k = sweep["k"]
+        k = sweep["ks"]
     names = list(SUITE_NAMES) if cfg.demo.suite_prompts else []
     suite_prompts = all_turns(suite_items(names, cfg.demo.suite_prompts),
                               target_answers(target, cfg.eval.max_new_tokens))
     suite_ids = [chat_format(target).prompt_ids(list(p.messages)) for p in suite_prompts]
     t0 = time.perf_counter()
     raw, job = serve_methods(export_dir, target_dir, ids + suite_ids, stops, cfg.eval.max_new_tokens,
-                             ("plain", "ngram", "dflash"), k, log=log)
+                             methods, k, log=log)
     engine = measurement(raw, job, range(len(ids)), time.perf_counter() - t0)
     suites = suite_result(raw, job, suite_prompts, names, cfg.demo.suite_prompts, offset=len(ids)) if names else None
     drafter = load_drafter(resolve_drafter_source(export_dir), target.device, seed=cfg.train.seed)
@@ -194,6 +212,7 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
                 suite_items(SUITE_NAMES, 1)
             except UserError as e:
                 raise UserError(f"demo.suite_prompts={demo.suite_prompts}: {e} (or demo.suite_prompts=0)") from None
+        methods = engine_methods()  # vLLM missing: one line now, not after an hour
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
@@ -233,9 +252,9 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
                  eval_max_new_tokens=cfg.eval.max_new_tokens)
     if demo.judge == "engine":
         suites = f" and {demo.suite_prompts} items of each suite" if demo.suite_prompts else ""
-        t0 = _phase(5, f"serve: the export in vLLM beside plain vLLM and vLLM's n-gram, {len(prompts)} held-out "
+        t0 = _phase(5, f"serve: the export in vLLM ({', '.join(methods)}), {len(prompts)} held-out "
                        f"prompts{suites}, {cfg.eval.max_new_tokens} new tokens each")
-        judged = judge_in_engine(cfg, target, prompts, export_dir)
+        judged = judge_in_engine(cfg, target, prompts, export_dir, methods)
         summary = engine_summary(judged["engine"], judged["replay_tau"], serve_seconds=time.perf_counter() - t0,
                                  suites=judged["suites"], k_sweep=judged["k_sweep"], **extra)
     else:

@@ -53,12 +53,19 @@ ENGINE_EXPLANATION = [
     "our replay tau = the same drafter's masks-only tau by our own replay on plain vLLM's outputs: "
     "the engine's figure and ours should agree.",
 ]
+LOOKUP_NOTE = [
+    "DFlash + lookup = the same export with our vLLM plugin (plugins/vllm_dflash_lookup): prompt lookup's "
+    "continuation where its match with earlier text is long enough (the gate), the drafter's block elsewhere; "
+    "verification stays vLLM's, so it is lossless like the rest.",
+]
 
 
 def explanation(summary: dict[str, Any]) -> list[str]:
     """The plain-words notes under the comparison (the seeding note only for a seeded drafter)."""
     if summary.get("judge") == "engine":
-        return ENGINE_EXPLANATION
+        served = any(str(r.get("method", "")).startswith("dflash+lookup")
+                     for r in (summary.get("engine") or {}).get("rows", []))
+        return ENGINE_EXPLANATION + (LOOKUP_NOTE if served else [])
     seeded = (summary.get("eval_trained") or {}).get("tau_unseeded") is not None
     return EXPLANATION + (SEEDED_NOTE if seeded else [])
 
@@ -171,16 +178,24 @@ def suite_lines(suites: dict[str, Any] | None) -> list[str]:
         return []
 
     def lossless(g: dict[str, Any]) -> str:
-        return lossless_of([("DFlash", g.get("lossless")), ("n-gram", g.get("lossless_ngram"))], "n/a")
+        return lossless_of([("DFlash", g.get("lossless")), ("n-gram", g.get("lossless_ngram")),
+                            ("DFlash + lookup", g.get("lossless_lookup"))], "n/a")
 
-    lines = ["", f"### Per benchmark suite (same engines, k {suites.get('k')})", "",
-             "| suite | prompts | DFlash tau (engine) | n-gram tau | DFlash vs plain | n-gram vs plain | lossless |",
-             "|---|---|---|---|---|---|---|"]
+    # DFlash + lookup's columns when it was served (engine/suite_serving.py: the `_lookup` figures);
+    # MT-Bench's categories too, where lookup's copies differ most (the second turns, extraction)
+    lk = any("tau_lookup" in g for g in suites.get("groups", []))
+    head = "| suite | prompts | DFlash tau (engine) | n-gram tau | DFlash vs plain | n-gram vs plain |"
+    head += " DFlash + lookup tau | DFlash + lookup vs plain |" if lk else ""
+    lines = ["", f"### Per benchmark suite (same engines, k {suites.get('k')})", "", head + " lossless |",
+             "|" + "---|" * head.count("|")]
     for g in suites.get("groups", []):
-        if g.get("category") is None:
-            lines.append(f"| {g['suite']} | {g['num_prompts']} | {fmt(g.get('tau'), '.3f')} | "
-                         f"{fmt(g.get('tau_ngram'), '.3f')} | {fmt(g.get('speedup'), '.2f', suffix='x')} | "
-                         f"{fmt(g.get('speedup_ngram'), '.2f', suffix='x')} | {lossless(g)} |")
+        if g.get("category") is None or lk:
+            cells = (f"| {g['label'] if lk else g['suite']} | {g['num_prompts']} | {fmt(g.get('tau'), '.3f')} | "
+                     f"{fmt(g.get('tau_ngram'), '.3f')} | {fmt(g.get('speedup'), '.2f', suffix='x')} | "
+                     f"{fmt(g.get('speedup_ngram'), '.2f', suffix='x')} |")
+            if lk:
+                cells += f" {fmt(g.get('tau_lookup'), '.3f')} | {fmt(g.get('speedup_lookup'), '.2f', suffix='x')} |"
+            lines.append(f"{cells} {lossless(g)} |")
     return lines + ["", f"{suites.get('num_prompts_per_suite')} items per suite (z-lab's order; MT-Bench: both turns, "
                         "the second after the target's own greedy first answer), <= "
                         f"{suites.get('max_new_tokens')} new tokens: a few prompts, a rough reading per domain."]
@@ -207,7 +222,8 @@ def write_report(run_dir: Path, summary: dict[str, Any]) -> Path:
     lines = [f"# dflash-train report: {run_dir.name}", ""]
     if summary.get("judge") == "engine":
         eng = summary.get("engine") or {}
-        lines += [f"## Served by vLLM {eng.get('vllm_version', '')} ({eng.get('dtype', '')}): DFlash vs n-gram vs plain",
+        lines += [f"## Served by vLLM {eng.get('vllm_version', '')} ({eng.get('dtype', '')}): "
+                  + " vs ".join(r.method for r in engine_rows(eng)[::-1]),
                   "", "| " + " | ".join(ENGINE_COLUMNS) + " |", "|" + "---|" * len(ENGINE_COLUMNS)]
         for row in engine_rows(eng):
             lines.append("| " + " | ".join(engine_cells(row, missing="n/a", speedup_suffix="x")) + " |")

@@ -11,9 +11,14 @@ point in every vLLM process; acts only where DFLASH_LOOKUP asks it to:
 
 Verification stays vLLM's, so every mode is lossless. Pinned: on a vLLM version it was not tested
 with, it logs one line naming both versions and patches nothing.
+
+DFLASH_LOOKUP_RECORD=FILE: every process that installs the patches appends one JSON line to FILE
+(pid, modes, min match), so a caller can check that the plugin acted in vLLM's engine process, not
+only that it is installed (serve-bench's worker does).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -62,4 +67,8 @@ def register() -> bool:
         runner.install(modes, min_match)
         _registered = True
         logger.info("dflash-lookup %s on: %s, min match %d", __version__, "+".join(sorted(modes)), min_match)
+        record = os.environ.get("DFLASH_LOOKUP_RECORD")
+        if record:
+            with open(record, "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "modes": sorted(modes), "min_match": min_match}) + "\n")
     return True

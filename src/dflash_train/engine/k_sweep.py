@@ -8,7 +8,10 @@ k (vLLM fixes the speculative config when an engine starts, so every k is an eng
 own), on the first `SWEEP_PROMPTS` prompts with at most `SWEEP_TOKENS` new tokens, and picks the k
 with the highest engine tok/s (ties: the smaller k, the cheaper verify). The main measurement
 then runs at that k. Short by design: with few prompts, tok/s differences of a few per cent are
-within noise (the printed note says so)."""
+within noise (the printed note says so). DFlash + lookup (`dflash+lookup`, our vLLM plugin) has a k of
+its own: when it is served, the sweep serves it at every candidate k too and picks its fastest k
+separately (lookup's copies can make a longer k pay where the drafter's blocks do not); n-gram is
+served at DFlash's k, as before."""
 from __future__ import annotations
 
 import math
@@ -19,7 +22,7 @@ from typing import Any, Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from dflash_train.engine.measure import export_block_size, serve_methods, summarise
+from dflash_train.engine.measure import export_block_size, label_of, serve_methods, summarise
 from dflash_train.errors import UserError
 from dflash_train.results import fmt
 
@@ -69,42 +72,52 @@ def pick_k(rows: Sequence[dict[str, Any]]) -> int:
 
 def sweep_k(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]], stop_token_ids: Sequence[int],
             max_new_tokens: int, dtype: str | None = None, log: Callable[[str], None] | None = None,
-            temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
-    """Plain vLLM and the export at each candidate k on the first few prompts; the rows and the
-    chosen k ("k"). Raises UserError (one line) when vLLM cannot serve the pair."""
+            temperature: float = 0.0, top_p: float = 1.0, lookup: Sequence[str] = ()) -> dict[str, Any]:
+    """Plain vLLM and the export at each candidate k on the first few prompts (and each `lookup`
+    method, `dflash+lookup`, at each k too); the rows, DFlash's chosen k ("k") and every swept
+    method's ("ks": {method: k}). Raises UserError (one line) when vLLM cannot serve the pair."""
     ks = candidates(export_block_size(export_dir))
     ids = [list(p) for p in prompt_ids[:SWEEP_PROMPTS]]
     tokens = min(int(max_new_tokens), SWEEP_TOKENS)
+    swept = ["dflash", *lookup]
     if log:
-        log(f"k sweep: DFlash at k {', '.join(map(str, ks))} beside plain vLLM, {len(ids)} prompts x <= {tokens} "
-            "tokens (short: picks k, the measurement follows at it)")
+        log(f"k sweep: {', '.join(swept)} at k {', '.join(map(str, ks))} beside plain vLLM, {len(ids)} prompts x "
+            f"<= {tokens} tokens (short: picks k, the measurement follows at it)")
     t0 = time.perf_counter()
-    res, job = serve_methods(export_dir, target_dir, ids, stop_token_ids, tokens, ["plain"] + ["dflash"] * len(ks),
-                             dtype=dtype, log=log, temperature=temperature, top_p=top_p, ks=[0, *ks])
-    rows = [r for r in summarise(res["methods"], len(ids), compare_outputs=temperature <= 0) if r["method"] == "dflash"]
-    keep = ("k", "tau", "tokens_per_draft", "tokens_per_s", "speedup", "lossless", "drafts", "draft_tokens",
-            "accepted_tokens", "new_tokens", "seconds", "load_seconds")
+    methods = ["plain"] + [m for m in swept for _ in ks]
+    res, job = serve_methods(export_dir, target_dir, ids, stop_token_ids, tokens, methods,
+                             dtype=dtype, log=log, temperature=temperature, top_p=top_p, ks=[0] + ks * len(swept))
+    rows = [r for r in summarise(res["methods"], len(ids), compare_outputs=temperature <= 0) if r["method"] != "plain"]
+    keep = ("method", "label", "k", "tau", "tokens_per_draft", "tokens_per_s", "speedup", "lossless", "drafts",
+            "draft_tokens", "accepted_tokens", "new_tokens", "seconds", "load_seconds")
     plain = next(m for m in res["methods"] if m["name"] == "plain")
     plain_tps = sum(len(o) for o in plain["outputs"]) / plain["seconds"] if plain["seconds"] > 0 else None
-    return {"candidates": ks, "k": pick_k(rows), "num_prompts": len(ids), "max_new_tokens": tokens,
-            "dtype": job["dtype"], "tokens_per_s_plain": plain_tps, "seconds": time.perf_counter() - t0,
-            "rows": [{c: r[c] for c in keep} for r in rows]}
+    picked = {m: pick_k([r for r in rows if r["method"] == m]) for m in swept}
+    return {"candidates": ks, "k": picked["dflash"], "ks": picked, "num_prompts": len(ids),
+            "max_new_tokens": tokens, "dtype": job["dtype"], "tokens_per_s_plain": plain_tps,
+            "seconds": time.perf_counter() - t0, "rows": [{c: r[c] for c in keep} for r in rows]}
 
 
 def sweep_note(sweep: dict[str, Any]) -> str:
+    ks = sweep.get("ks") or {"dflash": sweep["k"]}
+    fastest = ", ".join(f"{label_of(m)} {k}" for m, k in ks.items()) if len(ks) > 1 else str(sweep["k"])
     return (f"k sweep: {sweep['num_prompts']} prompts x <= {sweep['max_new_tokens']} tokens per k (short; tok/s "
-            f"differences of a few % are noise), fastest k {sweep['k']} (ties: the smaller k); the measurement "
+            f"differences of a few % are noise), fastest k {fastest} (ties: the smaller k); the measurement "
             "below runs at it")
 
 
 def print_sweep(sweep: dict[str, Any], console=None) -> None:
-    """The sweep's rows (k, tau, tokens/draft, tok/s, vs plain, lossless), the chosen k marked."""
+    """The sweep's rows (k, tau, tokens/draft, tok/s, vs plain, lossless), each method's chosen k
+    marked (a method column when more than DFlash was swept)."""
+    ks = sweep.get("ks") or {"dflash": sweep["k"]}
     t = Table(title=f"k sweep in vLLM (plain vLLM {fmt(sweep['tokens_per_s_plain'], '.2f')} tok/s)")
-    for c in ("k", "tau", "tokens/draft", "tok/s", "vs plain", "lossless"):
-        t.add_column(c, justify="right")
+    for c in (["method"] if len(ks) > 1 else []) + ["k", "tau", "tokens/draft", "tok/s", "vs plain", "lossless"]:
+        t.add_column(c, justify="left" if c == "method" else "right")
     for r in sweep["rows"]:
         lossless = "-" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
-        t.add_row(f"{r['k']}{' *' if r['k'] == sweep['k'] else ''}", fmt(r["tau"], ".3f"),
+        method = r.get("method", "dflash")
+        t.add_row(*([label_of(method)] if len(ks) > 1 else []),
+                  f"{r['k']}{' *' if r['k'] == ks.get(method) else ''}", fmt(r["tau"], ".3f"),
                   fmt(r["tokens_per_draft"], ".3f"), fmt(r["tokens_per_s"], ".2f"),
                   fmt(r["speedup"], ".2f", suffix="x"),
                   lossless)

@@ -16,6 +16,12 @@ block_size - 1; a DFlash block is then the anchor and k masks). Per method:
 * tokens per draft = 1 + A / drafts (steps that had a draft only);
 * tok/s by wall clock over the prompts (after one warm-up generation), speedup over plain vLLM;
 * lossless: every output equals plain vLLM's token for token.
+
+`dflash+lookup` is the DFlash export with our vLLM plugin (plugins/vllm_dflash_lookup) acting in
+its engine: prompt lookup's continuation where its match is long enough (the gate), and/or lookup's
+proposal in the block's mask slots (seeds). `dflash+lookup` alone serves the measured default
+(`LOOKUP_MODE`, match >= `LOOKUP_MIN_MATCH`, docs/benchmarks.md); `dflash+lookup:MODE@N` another
+mode (gate, seed, seed+gate) or threshold, e.g. `dflash+lookup:seed+gate@4`.
 """
 from __future__ import annotations
 
@@ -33,13 +39,52 @@ from dflash_train.errors import UserError
 # NO in bf16, yes in fp32); fp32 also matches our `eval`, which runs the target in fp32 on CPU
 DEFAULT_DTYPE = "float32"
 COUNTER_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
-LABELS = {"plain": "plain vLLM", "ngram": "vLLM n-gram", "dflash": "DFlash (vLLM)"}
+LOOKUP = "dflash+lookup"
+LABELS = {"plain": "plain vLLM", "ngram": "vLLM n-gram", "dflash": "DFlash (vLLM)", LOOKUP: "DFlash + lookup (vLLM)"}
+# the plugin's mode and gate threshold `dflash+lookup` serves: measured, docs/benchmarks.md "DFlash + lookup
+# in vLLM (issue 46)"
+LOOKUP_MODE = "gate"
+LOOKUP_MIN_MATCH = 3
+LOOKUP_MODES = ("gate", "seed", "seed+gate")
+
+
+def method_spec(text: str) -> dict[str, Any]:
+    """A method as the user names it -> the worker's method fields (name; for DFlash + lookup the
+    plugin's mode and gate threshold: `dflash+lookup[:MODE][@N]`). Unknown: one line."""
+    text = str(text)
+    if text in LABELS and text != LOOKUP:
+        return {"name": text}
+    rest = text[len(LOOKUP):] if text.startswith(LOOKUP) else None
+    if rest is None or (rest and rest[0] not in ":@"):
+        raise UserError(f"--method {text!r}: choose from {', '.join(LABELS)} ({LOOKUP}:MODE@N for another mode "
+                        f"or gate threshold)")
+    mode, _, n = rest.lstrip(":").partition("@")
+    if mode and mode not in LOOKUP_MODES:
+        raise UserError(f"--method {text!r}: the lookup mode is one of {', '.join(LOOKUP_MODES)}")
+    if n and not (n.isdigit() and int(n) >= 1):
+        raise UserError(f"--method {text!r}: the gate's minimum match (after @) is a number of tokens >= 1")
+    return {"name": text, "lookup": mode or LOOKUP_MODE, "min_match": int(n) if n else LOOKUP_MIN_MATCH}
+
+
+def is_lookup(method: str) -> bool:
+    return str(method).startswith(LOOKUP)
+
+
+def label_of(method: str) -> str:
+    """The printed name of a method: `dflash+lookup` at its default as "DFlash + lookup (vLLM)",
+    another mode or threshold named in it."""
+    if not is_lookup(method) or method == LOOKUP:
+        return LABELS.get(method, method)
+    spec = method_spec(method)
+    gate = f", match >= {spec['min_match']}" if "gate" in spec["lookup"] else ""
+    return f"DFlash + lookup (vLLM, {spec['lookup']}{gate})"
 
 
 def measure_in_vllm(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]],
                     stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str] = ("plain", "ngram", "dflash"),
-                    k: int | None = None, dtype: str | None = None, log: Callable[[str], None] | None = None,
-                    timeout_s: float = 3600.0, temperature: float = 0.0, top_p: float = 1.0) -> dict[str, Any]:
+                    k: int | dict[str, int] | None = None, dtype: str | None = None,
+                    log: Callable[[str], None] | None = None, timeout_s: float = 3600.0, temperature: float = 0.0,
+                    top_p: float = 1.0) -> dict[str, Any]:
     """Serve `target_dir` with each method in vLLM; returns {"vllm_version", "rows": [...], ...}
     (module docstring). Raises UserError (one line) when vLLM cannot serve the pair."""
     t0 = time.perf_counter()
@@ -61,23 +106,28 @@ def measurement(res: dict[str, Any], job: dict[str, Any], indices: Sequence[int]
 
 
 def serve_methods(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Sequence[int]],
-                  stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str], k: int | None = None,
-                  dtype: str | None = None, log: Callable[[str], None] | None = None, timeout_s: float = 3600.0,
-                  temperature: float = 0.0, top_p: float = 1.0,
+                  stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str],
+                  k: int | dict[str, int] | None = None, dtype: str | None = None,
+                  log: Callable[[str], None] | None = None, timeout_s: float = 3600.0, temperature: float = 0.0,
+                  top_p: float = 1.0,
                   ks: Sequence[int] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The worker's raw result (each method's outputs, seconds and counters, in total and per prompt)
-    and the job it ran; `ks`: a k per method instead of one for all (the k sweep). Raises UserError
+    and the job it ran; `k`: one for all methods, or {method: k} (DFlash's for methods it does not name);
+    `ks`: a k per method in order (the k sweep). Raises UserError
     (one line) when vLLM cannot serve the pair."""
     export_dir = Path(export_dir).resolve()
+    if isinstance(k, dict):  # a k per method (`--k auto` picks one for DFlash and one for DFlash + lookup)
+        ks = ks or [k.get(m, k.get("dflash")) for m in methods]
+        k = k.get("dflash")
     k = int(k or export_block_size(export_dir) - 1)
-    ks = [int(x) for x in ks] if ks is not None else [k] * len(methods)
+    ks = [int(x or k) for x in ks] if ks is not None else [k] * len(methods)
     job = {
         "target": str(target_dir), "dtype": dtype or DEFAULT_DTYPE,
         "max_model_len": max_model_len(target_dir),
         "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
         "stop_token_ids": [int(s) for s in stop_token_ids],
         "temperature": float(temperature), "top_p": float(top_p),
-        "methods": [{"name": m, "k": mk, **({"model": str(export_dir)} if m == "dflash" else {})}
+        "methods": [{**method_spec(m), "k": mk, **({"model": str(export_dir)} if m == "dflash" or is_lookup(m) else {})}
                     for m, mk in zip(methods, ks)],
     }
     if log:
@@ -109,16 +159,22 @@ def summarise(methods: Sequence[dict], num_prompts: int, compare_outputs: bool =
         n = sum(len(o) for o in m["outputs"])
         acc = float(m.get("spec_decode_num_accepted_tokens", 0.0))
         drafts = float(m.get("spec_decode_num_drafts", 0.0))
+        # tau over the tokens the outputs hold: the counter also counts what the request's end cut
+        # (vllm_worker.kept_accepted); without the per-request record, the counter
+        kept = m.get("accepted_in_output")
+        kept = acc if kept is None else float(kept)
         decode_tokens = n - num_prompts
-        steps = decode_tokens - acc
+        steps = decode_tokens - kept
         tps = n / m["seconds"] if m["seconds"] > 0 else float("nan")
         rows.append({
-            "method": m["name"], "label": LABELS.get(m["name"], m["name"]), "k": m.get("k", 0) if m["name"] != "plain" else 0,
+            "method": m["name"], "label": label_of(m["name"]), "k": m.get("k", 0) if m["name"] != "plain" else 0,
             "tau": decode_tokens / steps if steps > 0 else float("nan"),
             "tokens_per_draft": 1.0 + acc / drafts if drafts else None,
-            "drafts": drafts, "accepted_tokens": acc, "draft_tokens": float(m.get("spec_decode_num_draft_tokens", 0.0)),
+            "drafts": drafts, "accepted_tokens": acc, "accepted_in_output": kept,
+            "draft_tokens": float(m.get("spec_decode_num_draft_tokens", 0.0)),
             "new_tokens": n, "seconds": m["seconds"], "load_seconds": m["load_seconds"], "tokens_per_s": tps,
             "speedup": None, "lossless": None,
+            **({"lookup": m["lookup"]} if m.get("lookup") else {}),
         })
     if plain is not None:
         base = next(r for r in rows if r["method"] == "plain")
@@ -136,5 +192,7 @@ def methods_over(methods: Sequence[dict], indices: Sequence[int]) -> list[dict]:
     for m in methods:
         per = [m["per_prompt"][i] for i in indices]
         out.append({**m, "outputs": [m["outputs"][i] for i in indices], "seconds": sum(p["seconds"] for p in per),
-                    **{c: sum(p[c] for p in per) for c in COUNTER_KEYS}})
+                    **{c: sum(p[c] for p in per) for c in COUNTER_KEYS},
+                    "accepted_in_output": (None if any(p.get("accepted_in_output") is None for p in per)
+                                           else sum(p["accepted_in_output"] for p in per))})
     return out

@@ -1,7 +1,8 @@
 """`dflash-train serve-bench`: an export served by vLLM, the engine's own figures.
 
-Three engines, one after the other, on the same prompts: plain vLLM, vLLM's n-gram drafting
-(``method: ngram``) and the DFlash export (``method: dflash``), both with k draft tokens per step
+Engines one after the other, on the same prompts: plain vLLM, vLLM's n-gram drafting
+(``method: ngram``), the DFlash export (``method: dflash``) and, asked for with ``--method
+dflash+lookup``, the export with our vLLM plugin's prompt lookup (engine/measure.py), each with k draft tokens per step
 (``--k``, default block_size - 1; ``--k auto``: the fastest k of a short sweep first,
 engine/k_sweep.py), on a run's held-out prompts, a prompts file or benchmark suites (``--suite``,
 engine/suite_serving.py). What a row holds (tau, tokens per draft, tok/s, speedup, lossless) is
@@ -23,9 +24,9 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_train.engine.k_sweep import AUTO, SWEEP_PROMPTS, check_k, parse_k, print_sweep, sweep_k
-from dflash_train.engine.measure import LABELS, measure_in_vllm
-from dflash_train.engine.suite_serving import serve_suites
-from dflash_train.engine.vllm_process import vllm_python
+from dflash_train.engine.measure import is_lookup, measure_in_vllm, method_spec
+from dflash_train.engine.suite_serving import print_lookup_suites, serve_suites
+from dflash_train.engine.vllm_process import lookup_plugin_missing, vllm_python
 from dflash_train.errors import UserError
 from dflash_train.eval.prompts import encode_prompts, read_prompts_file
 from dflash_train.eval.source import open_drafter
@@ -71,12 +72,15 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, 
     suites = suite_names(suite, prompts)  # a bad name: one line before anything loads
     k = parse_k(k, "--k")
     check_sampling(temperature, top_p)
-    bad = [m for m in methods if m not in LABELS]
-    if bad:
-        raise UserError(f"--method {bad[0]!r}: choose from {', '.join(LABELS)}")
+    for m in methods:
+        method_spec(m)  # an unknown method or lookup mode: one line
+    if len(set(methods)) != len(methods):
+        raise UserError(f"--method: each method once (got {', '.join(methods)})")
     if num_prompts < 1 or max_new_tokens < 1:
         raise UserError("--num-prompts and --max-new-tokens must be >= 1")
-    vllm_python()  # not installed: say so before any work
+    py = vllm_python()  # not installed: say so before any work
+    if any(is_lookup(m) for m in methods) and (why := lookup_plugin_missing(py)):
+        raise UserError(why)
     prompts = prompts or "heldout"
     d = open_drafter(drafter, target)  # the drafter, its run config (one rule) and its target
     src, target_path = d.src, d.target_path
@@ -96,8 +100,8 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, 
         if k == AUTO:  # on the first few prompts the measurement serves (a suite's: its first turns)
             ids, stops = encode_prompts(shim, prompt_list or _first_turns(suites, num_prompts))
             sweep = sweep_k(export_dir, served_target_dir(target_path), ids, stops, max_new_tokens, dtype, log,
-                            temperature, top_p)
-            k = sweep["k"]
+                            temperature, top_p, lookup=[m for m in methods if is_lookup(m)])
+            k = sweep["ks"]
         if suites:
             res = serve_suites(export_dir, target_path, shim, suites, num_prompts, max_new_tokens, methods, k=k,
                                dtype=dtype, temperature=temperature, top_p=top_p, log=log)
@@ -126,6 +130,7 @@ def _print_result(res: dict[str, Any], as_json: bool, suites, sweep, what: str) 
         print_sweep(sweep)
     if suites:
         print_suite_tables(res, f"served by vLLM, per suite: {what}")
+        print_lookup_suites(res)
     else:
         print_engine_table(res, f"served by vLLM: {what}")
 

@@ -2,26 +2,33 @@
 engine start each, plus one plain engine for MT-Bench's first answers); a row's tau, tokens per draft
 and tok/s come from the per-prompt engine counters and times of its prompts; tau is also our replay
 of the same drafter on plain vLLM's outputs (greedy only: sampled outputs are not replayable).
-The suites, the grouping and the printed tables are eval/'s (`eval/suites.py`, `eval/suite_bench.py`)."""
+The suites, the grouping and the printed tables are eval/'s (`eval/suites.py`, `eval/suite_bench.py`);
+DFlash + lookup (`dflash+lookup`, our vLLM plugin), when served, gets its figures per group under the
+``_lookup`` suffix and a table of its own (`print_lookup_suites`)."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
+
+from rich.console import Console
+from rich.table import Table
 
 from dflash_train.checkpoint.source import resolve_drafter_source
 from dflash_train.config import TargetConfig
 from dflash_train.data.template import ChatFormat
-from dflash_train.engine.measure import DEFAULT_DTYPE, methods_over, serve_methods, summarise
+from dflash_train.engine.measure import DEFAULT_DTYPE, is_lookup, label_of, methods_over, serve_methods, summarise
 from dflash_train.engine.vllm_process import generate_in_vllm
 from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.source import load_drafter
 from dflash_train.eval.suite_bench import Log, group_head, suite_items
 from dflash_train.eval.suites import SuitePrompt, all_turns, describe, groups_of
-from dflash_train.results import Figures, group_figures
+from dflash_train.results import Figures, fmt, group_figures, lossless_cell
 from dflash_train.targets import load_target, served_target_dir
 
 
 def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence[str], num_prompts: int,
-                 max_new_tokens: int, methods: Sequence[str], k: int | None = None, dtype: str | None = None,
+                 max_new_tokens: int, methods: Sequence[str], k: int | dict[str, int] | None = None,
+                 dtype: str | None = None,
                  temperature: float = 0.0, top_p: float = 1.0, log: Log | None = None) -> dict[str, Any]:
     """The export served by vLLM over the suites; `tokenizer_target`: anything with .tokenizer and
     .family (the chat format). Rows per group (module docstring)."""
@@ -89,10 +96,41 @@ def pooled_tau(acceptance: Sequence[Sequence[int]]) -> float | None:
 
 
 def engine_figures(rows: Sequence[dict]) -> dict[str, Any]:
-    """A group's flat figures from its engine rows: DFlash's, n-gram's beside them, plain's tok/s."""
+    """A group's flat figures from its engine rows: DFlash's, n-gram's beside them, plain's tok/s;
+    DFlash + lookup's (the first such row) under the ``_lookup`` suffix when it was served."""
     by = {r["method"]: r for r in rows}
-    return group_figures(Figures.of_engine(by.get("dflash", {})), Figures.of_engine(by.get("ngram", {})),
-                         by.get("plain", {}).get("tokens_per_s"))
+    out = group_figures(Figures.of_engine(by.get("dflash", {})), Figures.of_engine(by.get("ngram", {})),
+                        by.get("plain", {}).get("tokens_per_s"))
+    lookup = next((r for r in rows if is_lookup(r["method"])), None)
+    if lookup is not None:
+        out.update({f"{key}_lookup": lookup.get(key) for key in LOOKUP_KEYS})
+        out["method_lookup"] = lookup["method"]
+    return out
+
+
+LOOKUP_KEYS = ("tau", "tokens_per_draft", "tokens_per_s", "speedup", "lossless", "k")
+
+
+def print_lookup_suites(res: dict[str, Any], console: Console | None = None) -> None:
+    """DFlash + lookup per suite and MT-Bench category, beside DFlash alone and n-gram (the suite
+    table of eval/suite_bench.py knows those two only); nothing when it was not served."""
+    groups = [g for g in res.get("groups", []) if "tau_lookup" in g]
+    if not groups:
+        return
+    t = Table(title=f"{label_of(groups[0]['method_lookup'])} per suite (the same engine runs)")
+    cols = ("suite", "prompts", "k", "tau", "tokens/draft", "tok/s", "vs plain", "DFlash tau", "DFlash vs plain",
+            "n-gram tau", "n-gram vs plain", "lossless")
+    for c in cols:
+        t.add_column(c, justify="left" if c == "suite" else "right")
+    unchecked = "n/a (sampling)" if res.get("temperature", 0.0) > 0 else "-"
+    for g in groups:
+        t.add_row(g["label"], str(g["num_prompts"]), str(g.get("k_lookup") or "-"), fmt(g["tau_lookup"], ".3f", "-"),
+                  fmt(g["tokens_per_draft_lookup"], ".3f", "-"), fmt(g["tokens_per_s_lookup"], ".2f", "-"),
+                  fmt(g["speedup_lookup"], ".2f", "-", "x"), fmt(g["tau"], ".3f", "-"),
+                  fmt(g["speedup"], ".2f", "-", "x"), fmt(g["tau_ngram"], ".3f", "-"),
+                  fmt(g["speedup_ngram"], ".2f", "-", "x"), lossless_cell(g["lossless_lookup"], unchecked))
+    con = console or (Console() if sys.stdout.isatty() else Console(width=160))
+    con.print(t)
 
 
 # ----------------------------------------------------------------- our decoding

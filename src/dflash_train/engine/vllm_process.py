@@ -67,6 +67,22 @@ def vllm_python() -> Path:
     return py
 
 
+def lookup_plugin_missing(py: Path | None = None) -> str | None:
+    """Why the vLLM environment cannot serve `dflash+lookup` (the vllm-dflash-lookup plugin is not
+    installed there), or None. Asks the environment's package metadata only: no vLLM import."""
+    py = py or vllm_python()
+    code = ("import importlib.metadata as m; "
+            "print('dflash_lookup' in [e.name for e in m.entry_points(group='vllm.general_plugins')])")
+    try:
+        r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=engine_env({}), timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"dflash+lookup: could not ask the vLLM environment ({py}) for its plugins: {e}"
+    if r.stdout.strip() == "True":
+        return None
+    return (f"dflash+lookup needs the vllm-dflash-lookup plugin in the vLLM environment ({py}): `make vllm` "
+            "installs it (or `pip install --no-deps plugins/vllm_dflash_lookup` into your vLLM environment)")
+
+
 def max_model_len(target_dir: Path, cap: int = 4096) -> int:
     """The engine's context: the target's, at most `cap` (a small KV cache on CPU)."""
     try:

@@ -1,5 +1,5 @@
 """Runs inside the vLLM environment (`.venv-vllm`, never the trainer's): serves one target with
-each method of a job in turn (plain, n-gram, DFlash) and writes what vLLM measured.
+each method of a job in turn (plain, n-gram, DFlash, DFlash + lookup) and writes what vLLM measured.
 
 Standard library + vllm only: this file is executed by the vLLM venv's interpreter as a script
 (`python vllm_worker.py JOB.json RESULT.json`); `dflash_train.engine.vllm_process.run_worker` writes
@@ -11,12 +11,22 @@ speculative decoding is for), greedy unless the job sets a temperature (then top
 per prompt), timed by wall clock. The engine's own counters (`vllm:spec_decode_num_drafts`,
 `..._num_draft_tokens`, `..._num_accepted_tokens`) are read before and after each timed prompt
 (per prompt and in total); what the warm-up counted is not included.
+
+DFlash + lookup (a method with ``"lookup": MODE``): the DFlash engine with our vLLM plugin
+(plugins/vllm_dflash_lookup) acting in that engine only. The plugin reads DFLASH_LOOKUP when vLLM loads
+it in a process, and vLLM loads general plugins once per process (a latch a forked engine core
+inherits), so a job with such a method starts every engine core by spawn, with DFLASH_LOOKUP set for
+that method (and removed for every other one, whatever the caller's environment says). The plugin
+records every process it patched (DFLASH_LOOKUP_RECORD); an engine it did not act in is an error.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -41,8 +51,91 @@ def _speculative_config(method: dict) -> dict | None:
     return {"method": "dflash", "model": method["model"], "num_speculative_tokens": method["k"]}
 
 
+def kept_accepted(completion) -> int | None:
+    """Accepted draft tokens the output kept. The engine's counter counts every token a verify step
+    accepted, also those the request's end (max_tokens, a stop token) then cut from the output: up to
+    k at the last step, enough to move tau on short outputs (measured: 3.17 counted vs 2.49 kept at
+    k 3 on 24-token answers). Walks the request's own per-step record (vLLM's detailed per-request
+    spec-decode metrics) and clips the step that crosses the output's end; None without the record."""
+    m = getattr(completion, "spec_decode_metrics", None)
+    if m is None or not m.per_step_accepted:
+        return None if m is None else 0
+    room = len(completion.token_ids) - 1  # decoded tokens: the first came from the prefill
+    made = kept = 0
+    for accepted in m.per_step_accepted:
+        if made >= room:
+            break
+        produced = min(int(accepted) + 1, room - made)
+        kept += produced - 1
+        made += produced
+    return kept
+
+
+def kept_total(per_prompt: list[dict]) -> int | None:
+    kept = [p["accepted_in_output"] for p in per_prompt]
+    return None if any(k is None for k in kept) else sum(kept)
+
+
 class Refused(Exception):
     """vLLM cannot serve this pair (said before any engine starts)."""
+
+
+_LOOKUP_VARS = ("DFLASH_LOOKUP", "DFLASH_LOOKUP_MIN_MATCH", "DFLASH_LOOKUP_RECORD")
+
+
+@contextlib.contextmanager
+def lookup_env(method: dict, record: str):
+    """os.environ as the plugin must read it for `method`'s engine (off for any method without
+    "lookup"), restored afterwards."""
+    saved = {v: os.environ.get(v) for v in _LOOKUP_VARS}
+    for v in _LOOKUP_VARS:
+        os.environ.pop(v, None)
+    if method.get("lookup"):
+        os.environ.update({"DFLASH_LOOKUP": method["lookup"], "DFLASH_LOOKUP_RECORD": record,
+                           "DFLASH_LOOKUP_MIN_MATCH": str(method.get("min_match", 3))})
+    try:
+        yield
+    finally:
+        for v, val in saved.items():
+            if val is None:
+                os.environ.pop(v, None)
+            else:
+                os.environ[v] = val
+
+
+def check_lookup_plugin() -> None:
+    """Before any engine starts: the plugin is installed in this vLLM environment and accepts its version."""
+    import importlib
+    import importlib.metadata
+
+    import vllm
+
+    eps = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "dflash_lookup"]
+    if not eps:
+        raise Refused(f"dflash+lookup needs the vllm-dflash-lookup plugin in the vLLM environment ({sys.executable}): "
+                      "`make vllm` installs it, or `pip install --no-deps plugins/vllm_dflash_lookup`")
+    plugin = importlib.import_module(eps[0].module)
+    if not plugin.supported(vllm.__version__):
+        raise Refused(f"dflash+lookup: the vllm-dflash-lookup plugin {plugin.__version__} was tested with vLLM "
+                      f"{', '.join(plugin.TESTED_VLLM)}, not {vllm.__version__}")
+
+
+def acted(method: dict, record: str) -> list[dict]:
+    """The plugin's records for `method`'s engine: the processes it patched with the method's mode."""
+    want = sorted(set(method["lookup"].split("+")))
+    try:
+        with open(record) as f:
+            lines = [json.loads(ln) for ln in f if ln.strip()]
+    except FileNotFoundError:
+        lines = []
+    # with the engine core in a process of its own (vLLM's default), this process's record is not the engine's
+    others = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+    found = [r for r in lines if r["modes"] == want and r["min_match"] == int(method.get("min_match", 3))
+             and not (others and r["pid"] == os.getpid())]
+    if not found:
+        raise RuntimeError(f"the dflash-lookup plugin did not act in vLLM's engine for {method['name']} "
+                           f"(DFLASH_LOOKUP={method['lookup']}; records: {lines})")
+    return found
 
 
 def check_pair(job: dict) -> None:
@@ -67,9 +160,20 @@ def run_method(job: dict, method: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
-              speculative_config=_speculative_config(method), disable_log_stats=False,
-              max_num_seqs=1, enable_prefix_caching=False, enforce_eager=job.get("enforce_eager", True))
+    with tempfile.TemporaryDirectory(prefix="dflash-lookup-") as tmp:
+        record = os.path.join(tmp, "record.jsonl")
+        with lookup_env(method, record):  # the engine core reads it when it starts (spawned: module docstring)
+            llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
+                      speculative_config=_speculative_config(method), disable_log_stats=False,
+                      max_num_seqs=1, enable_prefix_caching=False, enforce_eager=job.get("enforce_eager", True),
+                      # each verify step's accepted count, per request: what the output kept (kept_accepted)
+                      per_request_spec_decode_metrics="detailed" if method["name"] != "plain" else "none")
+        try:
+            lookup = {"mode": method["lookup"], "min_match": int(method.get("min_match", 3)),
+                      "processes": len(acted(method, record))} if method.get("lookup") else None
+        except BaseException:
+            llm.llm_engine.engine_core.shutdown()
+            raise
     load_s = time.perf_counter() - t0
     try:
         llm.generate([TokensPrompt(prompt_token_ids=job["prompts"][0])],
@@ -90,15 +194,18 @@ def run_method(job: dict, method: dict) -> dict:
             seconds += dt
             outputs.append(list(out.outputs[0].token_ids))
             # per prompt: a caller reports groups of prompts (suites, categories) from one engine run
-            per_prompt.append({"seconds": dt, **{k.split(":", 1)[1]: c1[k] - c0[k] for k in _COUNTERS}})
+            per_prompt.append({"seconds": dt, **{k.split(":", 1)[1]: c1[k] - c0[k] for k in _COUNTERS},
+                               "accepted_in_output": kept_accepted(out.outputs[0])})
         after = _counters(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
     return {"name": method["name"], "k": method.get("k", 0), "load_seconds": load_s, "seconds": seconds,
+            "lookup": lookup,
             "outputs": outputs, "per_prompt": per_prompt,
-            **{k.split(":", 1)[1]: after[k] - before[k] for k in _COUNTERS}}
+            **{k.split(":", 1)[1]: after[k] - before[k] for k in _COUNTERS},
+            "accepted_in_output": kept_total(per_prompt)}
 
 
 def generate(job: dict) -> dict:
@@ -135,8 +242,12 @@ def main(job_path: str, result_path: str) -> int:
         if job.get("mode") == "generate":
             result.update(generate(job))
         else:
-            if any(m["name"] == "dflash" for m in job["methods"]):
+            if any(m["name"] != "plain" and "model" in m for m in job["methods"]):
                 check_pair(job)
+            if any(m.get("lookup") for m in job["methods"]):
+                check_lookup_plugin()
+                # a fresh interpreter per engine core: loads the plugin with its method's DFLASH_LOOKUP
+                os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
             for method in job["methods"]:
                 result["methods"].append(run_method(job, method))
     except BaseException as e:  # noqa: BLE001 - reported to the caller as one line + the traceback
