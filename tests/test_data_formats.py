@@ -15,7 +15,7 @@ import pytest
 from conftest import tiny_conversations, write_tiny_jsonl
 from dflash_train.config import ConfigError, DataSource
 from dflash_train.data import DataError, read_conversations
-from dflash_train.data.sources import dataset_files, dataset_identity
+from dflash_train.data.dataset_files import dataset_files, dataset_identity
 from trainrun import CLI, REPO, env, losses, run_train, tiny_overrides
 
 BAD_ROW = {"id": "bad-1", "conversations": [{"from": "human", "value": "a question nobody answered"}]}
