@@ -233,7 +233,8 @@ def run_demo(cfg: RunConfig, run_dir: Path) -> int:
     data_seconds = time.perf_counter() - t0
     console.print(f"data ready in {data_seconds:.0f}s")
 
-    t0 = _phase(3, f"train: online pipeline, budget {cfg.train.max_seconds:.0f}s / {cfg.train.max_steps} steps")
+    steps = f"{cfg.train.max_steps} steps" if cfg.train.epochs is None else f"{cfg.train.epochs:g} epochs"
+    t0 = _phase(3, f"train: online pipeline, budget {cfg.train.max_seconds:.0f}s / {steps}")
     code = run_training(cfg, run_dir, resume="auto", argv=["dflash-train", "demo"], target=target,
                         evaluator=HeldoutEval(cfg))
     train_seconds = time.perf_counter() - t0
