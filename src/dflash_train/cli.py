@@ -250,7 +250,7 @@ def serve_bench(
     prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL file of {'prompt': ...} or 'heldout' (the default)"),
     num_prompts: int = typer.Option(12, "--num-prompts", help="prompts (with --suite: items per suite)"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    method: List[str] = typer.Option(["plain", "ngram", "dflash"], "--method", help="plain | ngram | dflash (repeat)"),
+    method: List[str] = typer.Option(["plain", "ngram", "dflash"], "--method", help="plain | ngram | dflash | dflash+lookup[:gate|seed|seed+gate][@MIN_MATCH] (repeat)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (default: lossless checks hold on CPU) | bfloat16"),
     # a string: "auto" is a value, and a bad one is our one line, not typer's usage box
     k: Optional[str] = typer.Option(None, "--k", help="draft tokens per step, n-gram and DFlash alike (default: "

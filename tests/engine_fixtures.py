@@ -1,0 +1,91 @@
+"""The engine tests' shared drafter (issue 49 item 1): one tiny export that ACCEPTS in vLLM, trained
+once per session on its target's own answers, so that "lossless" and "engine tau == counters ==
+replay" are checked on drafts that are kept, not on a drafter whose tau would be 1.0 either way.
+
+Registered in conftest.py; a test asks for `speaking_llama` (the target) or `accepting_export`.
+
+Why a special target: a random target's greedy answers are not text. Answers reach training as text
+(`regenerate` writes JSONL), and a random byte-level BPE model emits special tokens, lone UTF-8
+bytes and non-canonical merges, none of which survive decode -> encode: measured, 0 of 40 answers
+came back as the ids the target emitted, and a drafter trained on them reached replay tau 1.27.
+`speaking_llama` has no merges (its vocabulary is the byte alphabet) and can only say printable
+characters, so every answer encodes back to exactly its ids: 600 steps (~20 s) reach replay tau
+~2.4 at k 3 on the prompts it trained on and ~1.3 on others (measured 2026-12-07).
+"""
+from __future__ import annotations
+
+import json
+import os
+import string
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_conversations
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK_SIZE = 4  # k 1..3: a k sweep of three engines, and a served k below the block's (2)
+# the prompts the engine tests serve; all of them are in the drafter's training data
+PROMPTS = ["Please explain how speculative decoding works.", "Write a short poem about the sea.",
+           "What is the capital of France?", "Could you summarize this text in one sentence, please?"]
+SUITE_PROMPTS_PER_SUITE = 2  # the suites' first items, as the suite tests serve them
+
+
+@dataclass(frozen=True)
+class AcceptingExport:
+    target: Path   # speaking_llama's directory
+    export: Path   # the export directory vLLM serves (draft vocabulary + d2t: train.vocab_subset)
+    run: Path      # the run it came from
+    data: Path     # the conversations (JSONL) ...
+    regenerated: Path  # ... and the target's own answers to them, the drafter's training data
+    prompts: list[str]  # prompts it trained on (PROMPTS)
+
+
+def cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2"})
+
+
+@pytest.fixture(scope="session")
+def speaking_llama(tiny_target_factory) -> Path:
+    # vLLM's CPU attention takes head sizes 32, 64, 80, ...: 2 heads of 32; 262 = 256 bytes + 6 specials
+    return tiny_target_factory("llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                               tokenizer_vocab=262, speaks=string.ascii_letters + string.digits + ".,;:!?()-")
+
+
+def _training_conversations() -> list[dict]:
+    """40 tiny conversations, the engine tests' prompts and the suites' first prompts, one turn each."""
+    from dflash_train.eval.suites import load_suite
+
+    asks = list(PROMPTS)
+    for suite in ("mtbench", "humaneval"):
+        asks += [it.turns[0] for it in load_suite(suite, SUITE_PROMPTS_PER_SUITE)]
+    extra = [{"id": f"engine-{i:02d}", "conversations": [{"from": "human", "value": a}, {"from": "gpt", "value": "x"}]}
+             for i, a in enumerate(asks)]
+    return tiny_conversations(40) + extra
+
+
+@pytest.fixture(scope="session")
+def accepting_export(speaking_llama, tmp_path_factory) -> AcceptingExport:
+    root = tmp_path_factory.mktemp("accepting-export")
+    convs = _training_conversations()
+    data = root / "conv.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    common = [f"target.path={speaking_llama}", f"data.source=jsonl:{data}", f"data.limit={len(convs)}",
+              "data.max_tokens=128", "data.heldout_fraction=0", "data.domain_prompts={}"]
+    regen = root / "regen.jsonl"
+    r = cli("regenerate", *common, "--out", str(regen), "--max-new-tokens", "48")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = root / "run"
+    r = cli("train", "--config", str(REPO / "configs" / "cpu-demo.yaml"), "--run-dir", str(run), *common,
+            f"data.regenerated={regen}", f"data.cache_dir={root / 'cache'}",
+            "train.max_steps=600", "train.max_seconds=900", "train.batch_size=4", "train.num_anchors=16",
+            "train.lr=3e-3", "train.vocab_subset=48", "checkpoint.every_steps=1000", "logging.progress=plain",
+            f"model.block_size={BLOCK_SIZE}", "model.num_layers=2", "model.target_layer_ids=[1,2]")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = cli("export", str(run), "--out", str(root / "export"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return AcceptingExport(speaking_llama, root / "export", run, data, regen, list(PROMPTS))
