@@ -290,6 +290,8 @@ def test_demo_serving_step_serves_the_suites_beside_the_heldout_prompts_into_rep
     assert engine["num_prompts"] == 2 and len(engine["outputs"]["plain"]) == 2 and engine["k"] == 3
     rows = {r["method"]: r for r in engine["rows"]}
     assert rows["dflash"]["lossless"] is True and rows["ngram"]["lossless"] is True
+    for m in ("ngram", "dflash"):  # compared here, token for token (the suites' own: the test above)
+        assert engine["outputs"][m] == engine["outputs"]["plain"], m
     assert abs(rows["dflash"]["tau"] - judged["replay_tau"]) <= 0.1 * judged["replay_tau"]
     groups = {(g["suite"], g["category"]): g for g in suites["groups"]}
     assert suites["k"] == 3 and suites["num_prompts_per_suite"] == 2 and suites["max_new_tokens"] == 12
