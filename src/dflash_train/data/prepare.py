@@ -50,16 +50,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflash_train.config import DataSource
 from dflash_train.data.augment import copy_task_documents
+from dflash_train.data.dataset_files import dataset_identity
 from dflash_train.data.domains import domain_conversations, domains_identity
-from dflash_train.data.prepare_build import CutRule, ShardReader, available_cores, fresh_work_dir, tokenize_shards, \
-    write_docs, write_rows
+from dflash_train.data.prepare_build import (
+    CutRule,
+    ShardReader,
+    available_cores,
+    fresh_work_dir,
+    tokenize_shards,
+    write_docs,
+    write_rows,
+)
 from dflash_train.data.prepared_store import FORMAT_VERSION, PreparedData, read_prepared, write_heldout, write_index
 from dflash_train.data.sources import (
     Conversation,
     DataError,
     ReadStats,
     is_heldout,
-    dataset_identity,
     read_conversations,
     sharegpt_identity,
 )

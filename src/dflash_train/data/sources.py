@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from dflash_train.config import DataSource
-from dflash_train.data.dataset_files import dataset_identity, iter_dataset_rows  # noqa: F401 (dataset_identity: prepare)
+from dflash_train.data.dataset_files import iter_dataset_rows
 from dflash_train.data.errors import DataError  # noqa: F401 (re-exported: the data package's error)
 
 log = logging.getLogger(__name__)
