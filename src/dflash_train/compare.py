@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import torch
 
 from dflash_train.checkpoint.source import resolve_drafter_source
-from dflash_train.config import ConfigError, load_config
+from dflash_train.config import ConfigError, RunConfig, load_config
 from dflash_train.data.sources import read_conversations
 from dflash_train.engine.k_sweep import check_k
 from dflash_train.engine.measure import measure_in_vllm
@@ -189,13 +189,15 @@ def train_variant(config: Path, shared: Sequence[str], v: Variant, run_dir: Path
 # --------------------------------------------------------------------------- scoring
 
 
-def greedy_outputs(target, prompts: Sequence[str], max_new_tokens: int, cache_dir: Path) -> list[tuple[list[int], int]]:
-    """(prompt + greedy new tokens, prompt length) per prompt, cached by prompts, length and target."""
-    key = hashlib.sha256(json.dumps([list(prompts), max_new_tokens, str(target)]).encode()).hexdigest()[:16]
+def greedy_outputs(target, prompts: Sequence[str], max_new_tokens: int, cache_dir: Path,
+                   run_cfg: RunConfig | None = None) -> list[tuple[list[int], int]]:
+    """(prompt + greedy new tokens, prompt length) per prompt in the run's chat format, cached by
+    prompts, length, target and the prompt token ids (a changed template or template variable: new)."""
+    ids, stops = encode_prompts(target, prompts, run_cfg)
+    key = hashlib.sha256(json.dumps([list(prompts), max_new_tokens, str(target), ids]).encode()).hexdigest()[:16]
     f = cache_dir / f"greedy-{key}.json"
     if f.exists():
         return [(list(s), int(n)) for s, n in json.loads(f.read_text())]
-    ids, stops = encode_prompts(target, prompts)
     out = []
     for p in ids:
         seq = plain_generate(target, torch.tensor([p], device=target.device), max_new_tokens, stops)[0].tolist()
@@ -204,11 +206,12 @@ def greedy_outputs(target, prompts: Sequence[str], max_new_tokens: int, cache_di
     return out
 
 
-def training_answers(target, regenerated: str, n: int) -> list[tuple[list[int], int]]:
-    """The first n target-written training answers as (prompt + answer ids, prompt length)."""
+def training_answers(target, regenerated: str, n: int, run_cfg: RunConfig | None = None) -> list[tuple[list[int], int]]:
+    """The first n target-written training answers as (prompt + answer ids, prompt length), the
+    prompts in the run's chat format."""
     convs, _ = read_conversations(f"jsonl:{regenerated}", n)
     convs = convs[:n]
-    ids, _ = encode_prompts(target, [c.prompt for c in convs])
+    ids, _ = encode_prompts(target, [c.prompt for c in convs], run_cfg)
     return [(p + target.tokenizer(c.reference, add_special_tokens=False).input_ids, len(p))
             for c, p in zip(convs, ids)]
 
@@ -228,8 +231,9 @@ def drafter_tau(drafter, target, outputs, seeded: bool | None = None, k: int | N
 
 
 def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: int, decode: bool,
-                  k: int | None = None) -> dict[str, Any]:
-    """k: draft tokens per block scored (None: block_size - 1), the --k the engine serves at."""
+                  k: int | None = None, run_cfg: RunConfig | None = None) -> dict[str, Any]:
+    """k: draft tokens per block scored (None: block_size - 1), the --k the engine serves at;
+    `run_cfg`: whose chat format `decode` renders `prompts` in."""
     src = resolve_drafter_source(run_dir)
     drafter = load_drafter(src, target.device)
     k = k or int(src.config.block_size) - 1
@@ -239,7 +243,7 @@ def score_variant(run_dir: Path, target, held, seen, prompts, max_new_tokens: in
     if seen:
         row.update(tau_train_answers=drafter_tau(drafter, target, seen, k=k), tau_ngram_train_answers=ngram_tau(seen, k))
     if decode:
-        r = evaluate_tau(drafter, target, prompts, max_new_tokens)
+        r = evaluate_tau(drafter, target, prompts, max_new_tokens, run_cfg=run_cfg)
         row["decode"] = {key: r[key] for key in ("tau", "tau_ngram", "tokens_per_s_plain", "tokens_per_s_spec",
                                                   "tokens_per_s_ngram", "speedup", "speedup_ngram",
                                                   "outputs_match", "outputs_match_ngram")}
@@ -285,12 +289,12 @@ def print_table(results: dict[str, dict], decode: bool, engine: bool = False) ->
 
 
 def engine_scores(target_path: str, target, prompts, max_new_tokens: int, out: Path,
-                  names: Sequence[str], k: int | None = None) -> dict[str, dict]:
+                  names: Sequence[str], k: int | None = None, run_cfg: RunConfig | None = None) -> dict[str, dict]:
     """Every variant's export in vLLM: {name: {tau_engine, tokens_per_s_engine, speedup_engine, lossless_engine,
     tau_engine_ngram, tokens_per_s_engine_plain, k_engine}}; plain vLLM and its n-gram are served once.
     k: draft tokens per step for every variant and n-gram (None: each variant's block_size - 1,
-    n-gram at the first variant's)."""
-    ids, stops = encode_prompts(target, prompts)
+    n-gram at the first variant's); the prompts in the chat format of `run_cfg`."""
+    ids, stops = encode_prompts(target, prompts, run_cfg)
     target_dir = served_target_dir(target_path)
     exports = {n: export_checkpoint(out / n, out / n / "export", force=True) for n in names}
     first = next(iter(exports.values()))
@@ -344,22 +348,22 @@ def run_compare(config: Path, variant_specs: Sequence[str], shared: Sequence[str
         raise UserError(f"{config}: no held-out prompt fits data.max_tokens={cfg.data.max_tokens} "
                         f"(raise data.heldout_fraction or data.max_tokens)")
     print(f"scoring on {len(prompts)} held-out prompts x {max_new_tokens} greedy tokens of the target", flush=True)
-    held = greedy_outputs(target, prompts, max_new_tokens, out)
-    seen = training_answers(target, cfg.data.regenerated, num_train_answers or num_prompts) \
+    held = greedy_outputs(target, prompts, max_new_tokens, out, cfg)
+    seen = training_answers(target, cfg.data.regenerated, num_train_answers or num_prompts, cfg) \
         if cfg.data.regenerated else []
     results: dict[str, dict] = {}
     for v, seed, r in runs:
         run_dir = out / r.name
         t0 = time.perf_counter()
         row = {"variant": v.name, "seed": seed, "overrides": [*shared, *r.overrides], **_train_stats(run_dir)}
-        row.update(score_variant(run_dir, target, held, seen, prompts, max_new_tokens, decode, engine_k))
+        row.update(score_variant(run_dir, target, held, seen, prompts, max_new_tokens, decode, engine_k, cfg))
         row.update(num_prompts=len(held), max_new_tokens=max_new_tokens, score_s=time.perf_counter() - t0)
         results[r.name] = row
         print(f"[{r.name}] tau held-out {row['tau_heldout']:.3f} (prompt lookup {row['tau_ngram_heldout']:.3f}), "
               f"scored in {row['score_s']:.0f}s", flush=True)
     if engine:
         for name, row in engine_scores(cfg.target.path, target, prompts, max_new_tokens, out,
-                                       [r.name for _, _, r in runs], k=engine_k).items():
+                                       [r.name for _, _, r in runs], k=engine_k, run_cfg=cfg).items():
             results[name].update(row)
             print(f"[{name}] vLLM: tau {row['tau_engine']:.3f} (n-gram {row['tau_engine_ngram']:.3f}), "
                   f"{row['tokens_per_s_engine']:.1f} tok/s (plain {row['tokens_per_s_engine_plain']:.1f}), "

@@ -45,7 +45,7 @@ from dflash_train.engine.serve_bench import print_engine_table
 from dflash_train.engine.suite_serving import print_lookup_suites, suite_result
 from dflash_train.engine.vllm_process import lookup_plugin_missing, vllm_answers, vllm_python
 from dflash_train.eval.in_training import HeldoutEval
-from dflash_train.eval.prompts import chat_format, encode_prompts, eval_prompts
+from dflash_train.eval.prompts import encode_prompts, eval_prompts
 from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.source import load_drafter
 from dflash_train.eval.specdec import tau_of
@@ -56,6 +56,7 @@ from dflash_train.export import export_checkpoint
 from dflash_train.results import fmt
 from dflash_train.report import comparison_rows, explanation, write_report
 from dflash_train.targets import load_target, served_target_dir
+from dflash_train.targets.chat_template import prompt_format
 from dflash_train.train.run import run_training
 
 console = Console(stderr=True)
@@ -73,7 +74,7 @@ def _eval(drafter, target, prompts, cfg, measure_plain: bool, label: str, measur
         task = bar.add_task(label, total=len(prompts))
         return evaluate_tau(drafter, target, prompts, cfg.eval.max_new_tokens, temperature=0.0,
                             seed=cfg.train.seed, measure_plain=measure_plain, measure_ngram=measure_ngram,
-                            progress=lambda d, t: bar.update(task, completed=d, total=t))
+                            progress=lambda d, t: bar.update(task, completed=d, total=t), run_cfg=cfg)
 
 
 def demo_summary(res_trained: dict, res_untrained: dict, **extra) -> dict:
@@ -177,7 +178,7 @@ def judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path,
     in the same engine runs (no extra starts), `demo.suite_prompts` items of each benchmark suite;
     `demo.serve_k: auto` sweeps k first. Our replay tau of the same drafter on plain vLLM's outputs
     of the held-out prompts (masks only, as the engine drafts) for the agreement check."""
-    ids, stops = encode_prompts(target, prompts)
+    ids, stops = encode_prompts(target, prompts, cfg)
     target_dir = served_target_dir(cfg.target.path)
     log = lambda m: console.print(m, markup=False)  # noqa: E731
     k, sweep = cfg.demo.serve_k or None, None
@@ -188,8 +189,9 @@ def judge_in_engine(cfg: RunConfig, target, prompts, export_dir: Path,
         k = sweep["ks"]
     names = list(SUITE_NAMES) if cfg.demo.suite_prompts else []
     suite_prompts = all_turns(suite_items(names, cfg.demo.suite_prompts),
-                              target_answers(target, cfg.eval.max_new_tokens))
-    suite_ids = [chat_format(target).prompt_ids(list(p.messages)) for p in suite_prompts]
+                              target_answers(target, cfg.eval.max_new_tokens, cfg))
+    chat = prompt_format(target, cfg)
+    suite_ids = [chat.prompt_ids(list(p.messages)) for p in suite_prompts]
     t0 = time.perf_counter()
     raw, job = serve_methods(export_dir, target_dir, ids + suite_ids, stops, cfg.eval.max_new_tokens,
                              methods, k, log=log)

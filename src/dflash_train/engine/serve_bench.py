@@ -98,15 +98,15 @@ def serve_bench_command(drafter: Path, target: str | None, prompts: str | None, 
         if not suites and prompt_list is None:
             prompt_list = d.heldout(shim, num_prompts)
         if k == AUTO:  # on the first few prompts the measurement serves (a suite's: its first turns)
-            ids, stops = encode_prompts(shim, prompt_list or _first_turns(suites, num_prompts))
+            ids, stops = encode_prompts(shim, prompt_list or _first_turns(suites, num_prompts), d.run_cfg)
             sweep = sweep_k(export_dir, served_target_dir(target_path), ids, stops, max_new_tokens, dtype, log,
                             temperature, top_p, lookup=[m for m in methods if is_lookup(m)])
             k = sweep["ks"]
         if suites:
             res = serve_suites(export_dir, target_path, shim, suites, num_prompts, max_new_tokens, methods, k=k,
-                               dtype=dtype, temperature=temperature, top_p=top_p, log=log)
+                               dtype=dtype, temperature=temperature, top_p=top_p, log=log, run_cfg=d.run_cfg)
         else:
-            ids, stops = encode_prompts(shim, prompt_list)
+            ids, stops = encode_prompts(shim, prompt_list, d.run_cfg)
             res = measure_in_vllm(export_dir, served_target_dir(target_path), ids, stops, max_new_tokens, methods,
                                   k=k, dtype=dtype, log=log, temperature=temperature, top_p=top_p)
     res.update({"drafter": str(src.path), "target": target_path})

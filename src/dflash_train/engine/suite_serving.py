@@ -14,8 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflash_train.checkpoint.source import resolve_drafter_source
-from dflash_train.config import TargetConfig
-from dflash_train.data.template import ChatFormat
+from dflash_train.config import RunConfig, TargetConfig
 from dflash_train.engine.measure import DEFAULT_DTYPE, is_lookup, label_of, methods_over, serve_methods, summarise
 from dflash_train.engine.vllm_process import generate_in_vllm
 from dflash_train.eval.replay import replay_acceptance
@@ -24,15 +23,18 @@ from dflash_train.eval.suite_bench import Log, group_head, suite_items
 from dflash_train.eval.suites import SuitePrompt, all_turns, describe, groups_of
 from dflash_train.results import Figures, fmt, group_figures, lossless_cell
 from dflash_train.targets import load_target, served_target_dir
+from dflash_train.targets.chat_template import prompt_format
 
 
 def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence[str], num_prompts: int,
                  max_new_tokens: int, methods: Sequence[str], k: int | dict[str, int] | None = None,
                  dtype: str | None = None,
-                 temperature: float = 0.0, top_p: float = 1.0, log: Log | None = None) -> dict[str, Any]:
+                 temperature: float = 0.0, top_p: float = 1.0, log: Log | None = None,
+                 run_cfg: RunConfig | None = None) -> dict[str, Any]:
     """The export served by vLLM over the suites; `tokenizer_target`: anything with .tokenizer and
-    .family (the chat format). Rows per group (module docstring)."""
-    fmt = ChatFormat(tokenizer_target.tokenizer, tokenizer_target.family)
+    .family, whose prompts are rendered in the chat format of the run `run_cfg` (`prompt_format`:
+    its template and data.chat_template_kwargs). Rows per group (module docstring)."""
+    fmt = prompt_format(tokenizer_target, run_cfg)
     stops = fmt.stop_token_ids()
     target_dir = served_target_dir(target_path)
     dtype = dtype or DEFAULT_DTYPE

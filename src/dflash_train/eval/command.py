@@ -15,7 +15,7 @@ from rich.table import Table
 
 from dflash_train.errors import UserError
 from dflash_train.eval.prompts import read_prompts_file
-from dflash_train.eval.source import open_drafter
+from dflash_train.eval.source import OpenedDrafter, open_drafter
 from dflash_train.eval.suite_bench import eval_suites, print_suite_tables, stderr_log
 from dflash_train.eval.suites import suite_names
 from dflash_train.eval.tau import evaluate_tau
@@ -94,8 +94,8 @@ def eval_command(
     d.check_fits(tgt)
     model = d.drafter(tgt.device, seed=seed, untrained=untrained)
     if suites:
-        return _eval_suites(model, tgt, suites, src, target_path, num_prompts, max_new_tokens, temperature, seed,
-                            untrained, as_json)
+        return _eval_suites(model, tgt, suites, d, num_prompts, max_new_tokens, temperature, seed, untrained,
+                            as_json)
     if prompt_list is None:
         prompt_list = d.heldout(tgt, num_prompts)
     progress = None
@@ -107,7 +107,8 @@ def eval_command(
         where = "held-out prompts that fit data.max_tokens" if prompts == "heldout" else f"prompts in {prompts}"
         print(f"note: evaluating {len(prompt_list)} prompts, not the {num_prompts} asked for: there are only "
               f"{len(prompt_list)} {where}", file=sys.stderr, flush=True)
-    res = evaluate_tau(model, tgt, prompt_list, max_new_tokens, temperature, seed, progress=progress)
+    res = evaluate_tau(model, tgt, prompt_list, max_new_tokens, temperature, seed, progress=progress,
+                       run_cfg=d.run_cfg)
     res.update({
         "drafter": str(src.path),
         "step": src.step,
@@ -125,10 +126,11 @@ def eval_command(
     return res
 
 
-def _eval_suites(model, tgt, suites, src, target_path: str, num_prompts: int, max_new_tokens: int, temperature: float,
+def _eval_suites(model, tgt, suites, d: OpenedDrafter, num_prompts: int, max_new_tokens: int, temperature: float,
                  seed: int, untrained: bool, as_json: bool) -> dict[str, Any]:
+    src, target_path = d.src, d.target_path
     progress = None if as_json else (lambda i, n: stderr_log(f"  prompt {i}/{n}"))
-    res = eval_suites(model, tgt, suites, num_prompts, max_new_tokens, temperature, seed, progress)
+    res = eval_suites(model, tgt, suites, num_prompts, max_new_tokens, temperature, seed, progress, run_cfg=d.run_cfg)
     res.update({"drafter": str(src.path), "step": src.step, "target": target_path, "untrained": bool(untrained)})
     if as_json:
         print(json.dumps(jsonable(res), allow_nan=False))

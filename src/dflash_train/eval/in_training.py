@@ -24,4 +24,4 @@ class HeldoutEval:
     def measure(self, drafter, target, prompts: Sequence[str], measure_ngram: bool) -> dict[str, Any]:
         """{"tau", "tau_ngram", ...} of `drafter` on `prompts` (evaluate_tau, no plain decoding)."""
         return evaluate_tau(drafter, target, prompts, self.eval_cfg.max_new_tokens, self.eval_cfg.temperature,
-                            seed=self.seed, measure_plain=False, measure_ngram=measure_ngram)
+                            seed=self.seed, measure_plain=False, measure_ngram=measure_ngram, run_cfg=self.cfg)

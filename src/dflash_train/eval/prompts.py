@@ -1,15 +1,17 @@
 """Evaluation prompts: THE held-out prompts of a run (`eval_prompts`: what `eval --prompts
 heldout`, `compare`, the demo and the in-training eval all score), a prompts file, and their
-token ids in the target's chat format."""
+token ids in the run's chat format (`targets.chat_template.prompt_format`: the run's template and
+``data.chat_template_kwargs``)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any, Sequence
 
+from dflash_train.config import RunConfig
 from dflash_train.data.heldout import heldout_conversations
-from dflash_train.data.template import ChatFormat
 from dflash_train.errors import UserError
+from dflash_train.targets.chat_template import prompt_format
 
 
 def heldout_prompts(heldout: Sequence[Any], num_prompts: int) -> list[str]:
@@ -70,24 +72,23 @@ def read_prompts_file(path: str | Path, num_prompts: int | None = None) -> list[
     return out
 
 
-def chat_format(target) -> ChatFormat:
-    return ChatFormat(target.tokenizer, target.family)
-
-
-def encode_prompts(target, prompts: Sequence[str]) -> tuple[list[list[int]], list[int]]:
-    """(token ids of each prompt as one formatted user turn, stop token ids)."""
-    fmt = chat_format(target)
+def encode_prompts(target, prompts: Sequence[str],
+                   run_cfg: RunConfig | None = None) -> tuple[list[list[int]], list[int]]:
+    """(token ids of each prompt as one formatted user turn, stop token ids), in the chat format of
+    the run `run_cfg` (`prompt_format`; None: the template without variables)."""
+    fmt = prompt_format(target, run_cfg)
     ids = [fmt.prompt_ids([{"role": "user", "content": p}]) for p in prompts]
     return ids, fmt.stop_token_ids()
 
 
-def pick_eval_prompts(heldout: Sequence[Any], num_prompts: int, target, max_prompt_tokens: int) -> list[str]:
-    """The first `num_prompts` held-out prompts whose formatted prompt fits `max_prompt_tokens`
-    (the row length the drafter trained at): tau is measured where the drafter was trained,
-    and a 4000-token ShareGPT paste does not dominate the eval's time."""
+def pick_eval_prompts(heldout: Sequence[Any], num_prompts: int, target, max_prompt_tokens: int,
+                      run_cfg: RunConfig | None = None) -> list[str]:
+    """The first `num_prompts` held-out prompts whose formatted prompt (the run's format) fits
+    `max_prompt_tokens` (the row length the drafter trained at): tau is measured where the drafter
+    was trained, and a 4000-token ShareGPT paste does not dominate the eval's time."""
     out: list[str] = []
     for text in heldout_prompts(heldout, len(heldout)):
-        ids, _ = encode_prompts(target, [text])
+        ids, _ = encode_prompts(target, [text], run_cfg)
         if ids and len(ids[0]) <= max_prompt_tokens:
             out.append(text)
         if len(out) >= num_prompts:
@@ -102,4 +103,4 @@ def eval_prompts(cfg, target, num_prompts: int | None = None) -> list[str]:
     the in-training eval, so they all score the same prompts; the conversations are
     `data.heldout.heldout_conversations`. Raises data.DataError when they cannot be read."""
     n = cfg.eval.num_prompts if num_prompts is None else int(num_prompts)
-    return pick_eval_prompts(heldout_conversations(cfg, target), n, target, cfg.data.max_tokens)
+    return pick_eval_prompts(heldout_conversations(cfg, target), n, target, cfg.data.max_tokens, cfg)

@@ -22,11 +22,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dflash_train.eval.prompts import chat_format
+from dflash_train.config import RunConfig
 from dflash_train.eval.specdec import plain_generate
 from dflash_train.eval.suites import Group, SuitePrompt, all_turns, describe, groups_of, load_suite
 from dflash_train.eval.tau import evaluate_tau
 from dflash_train.results import Figures, fmt, group_figures, lossless_of
+from dflash_train.targets.chat_template import prompt_format
 
 Log = Callable[[str], None]
 
@@ -43,12 +44,13 @@ def group_head(g: Group) -> dict[str, Any]:
     return {"suite": g.suite, "category": g.category, "label": g.label, "num_prompts": len(g.indices)}
 
 
-def target_answers(target, max_new_tokens: int) -> Callable[[list[SuitePrompt]], list[str]]:
+def target_answers(target, max_new_tokens: int,
+                   run_cfg: RunConfig | None = None) -> Callable[[list[SuitePrompt]], list[str]]:
     """`all_turns`' answerer by our own plain decoding of a loaded target: greedy, whatever the
-    temperature measured (the target's own answer). The demo uses it too: its target is loaded,
-    and a vLLM run for the answers would be one more engine start."""
+    temperature measured (the target's own answer), asked in the run's chat format. The demo uses
+    it too: its target is loaded, and a vLLM run for the answers would be one more engine start."""
     def answer(prompts: list[SuitePrompt]) -> list[str]:
-        chat = chat_format(target)
+        chat = prompt_format(target, run_cfg)
         out = []
         for p in prompts:
             ids = torch.tensor([chat.prompt_ids(list(p.messages))], device=target.device)
@@ -60,11 +62,13 @@ def target_answers(target, max_new_tokens: int) -> Callable[[list[SuitePrompt]],
 
 
 def eval_suites(drafter, target, names: Sequence[str], num_prompts: int, max_new_tokens: int, temperature: float,
-                seed: int, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """`evaluate_tau` over the suites' prompts with our decoding, pooled per group."""
-    chat = chat_format(target)
+                seed: int, progress: Callable[[int, int], None] | None = None,
+                run_cfg: RunConfig | None = None) -> dict[str, Any]:
+    """`evaluate_tau` over the suites' prompts with our decoding, pooled per group; the prompts in
+    the chat format of the run `run_cfg` (`prompt_format`)."""
+    chat = prompt_format(target, run_cfg)
     stops = chat.stop_token_ids()
-    prompts = all_turns(suite_items(names, num_prompts), target_answers(target, max_new_tokens))
+    prompts = all_turns(suite_items(names, num_prompts), target_answers(target, max_new_tokens, run_cfg))
     per_prompt = []
     for i, p in enumerate(prompts):
         # one prompt per call (seed + i: the sampling seed of prompt i), pooled per group below

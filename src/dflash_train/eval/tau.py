@@ -1,9 +1,9 @@
 """Acceptance length (tau) by real speculative decoding: `evaluate_tau`, what `dflash-train eval`,
 its suites (eval/suite_bench.py), the in-training eval, compare and the demo all measure with.
 
-Prompts are user messages; each is formatted as ONE user turn with the
-target's chat format (`dflash_train.data.template.ChatFormat`: the tokenizer's
-chat_template, or Gemma's ``<start_of_turn>user\\n...<end_of_turn>\\n<start_of_turn>model\\n``)
+Prompts are user messages; each is formatted as ONE user turn in the run's chat format
+(`targets.chat_template.prompt_format`: the target's chat_template with the run's
+``data.chat_template_kwargs``, or Gemma's ``<start_of_turn>user\\n...<end_of_turn>\\n<start_of_turn>model\\n``)
 and generated until the format's stop tokens or max_new_tokens.
 
 tau = total tokens produced / total verify steps over all prompts (the pooled
@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dflash_train.config import RunConfig
 from dflash_train.errors import UserError
 from dflash_train.eval.ngram import ngram_generate
 from dflash_train.eval.prompts import encode_prompts
@@ -45,6 +46,7 @@ def evaluate_tau(
     stop_token_ids: Sequence[int] | None = None,
     progress: Callable[[int, int], None] | None = None,
     measure_ngram: bool = True,
+    run_cfg: RunConfig | None = None,
 ) -> dict[str, Any]:
     """Real speculative decoding over `prompts` (user messages, formatted here).
 
@@ -52,7 +54,8 @@ def evaluate_tau(
     tokens_per_s_spec, tokens_per_s_plain, speedup, num_prompts, outputs_match
     (greedy: every speculative output equals plain greedy; None when not
     checked), plus tau_per_prompt, steps, new_tokens, block_size, temperature,
-    max_new_tokens. Pass `prompt_ids` (+ `stop_token_ids`) to skip formatting.
+    max_new_tokens. Pass `prompt_ids` (+ `stop_token_ids`) to skip formatting; `run_cfg`: the run
+    whose chat format renders `prompts` (None: the template without variables).
     measure_plain=False skips the plain baseline (in-training eval).
 
     A drafter with ``block_seeds: prompt_lookup`` also gets tau_unseeded: its greedy tau with
@@ -65,7 +68,7 @@ def evaluate_tau(
     only: with temperature > 0, or measure_ngram=False, those are None.
     """
     if prompt_ids is None:
-        prompt_ids, stops = encode_prompts(target, prompts)
+        prompt_ids, stops = encode_prompts(target, prompts, run_cfg)
     else:
         stops = []
     if stop_token_ids is not None:

@@ -12,12 +12,18 @@ The text must compile as transformers compiles a chat template (its own Jinja en
 missing file, an unreadable one, a JSON without the key or a template that does not compile raises
 `TargetError` naming the file (one line, exit 2). The template replaces the tokenizer's own, so
 the prepared-data cache (which hashes the tokenizer's template) follows it.
+
+`prompt_format` is THE rendering of a conversation as a prompt for a run's evaluation and serving
+(eval, serve-bench, the suites, the k sweep, compare, the demo): the template above with the run's
+``data.chat_template_kwargs``, as regenerate's prompts and the training rows were rendered.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from dflash_train.config import RunConfig
+from dflash_train.data.template import ChatFormat
 from dflash_train.errors import first_line
 from dflash_train.targets.model import TargetError
 
@@ -89,3 +95,15 @@ def apply_chat_template_override(tokenizer, spec: str | None):
     if spec:
         tokenizer.chat_template = read_chat_template(spec)
     return tokenizer
+
+
+def prompt_format(target, run_cfg: RunConfig | None = None) -> ChatFormat:
+    """The chat format a run's prompts are evaluated and served in. `target`: a loaded target or a
+    tokenizer shim (anything with .tokenizer and .family); its template is already
+    ``target.chat_template``'s when it was loaded from the run's target config (`load_target` /
+    `load_tokenizer` put it on the tokenizer). The run's ``data.chat_template_kwargs`` go into every
+    prompt, so a Qwen3 target trained with thinking off is asked with thinking off (its prompts end
+    with the empty think block, as the training rows' prompts do). `run_cfg` None (a drafter whose
+    run config is not found): the template without variables."""
+    kwargs = run_cfg.data.chat_template_kwargs if run_cfg is not None else None
+    return ChatFormat(target.tokenizer, target.family, template_kwargs=kwargs)
