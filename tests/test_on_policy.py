@@ -98,7 +98,7 @@ def test_the_step_trains_on_the_on_policy_anchors(monkeypatch):
     from types import SimpleNamespace
 
     import dflash_train.model.on_policy as op
-    from dflash_train.config import TrainConfig
+    from dflash_train.config_sections import TrainConfig
     from dflash_train.model import dflash_loss
     from dflash_train.train.step import loss_and_backward
     from test_model_fakes import FakeTarget, batch, packed_row, tiny_drafter

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.config import ModelConfig, TrainConfig
+from dflash_train.config import ModelConfig
+from dflash_train.config_sections import TrainConfig
 from dflash_train.errors import UserError
 from dflash_train.model.dflash2 import build_drafter
 from dflash_train.model.drafter import DrafterConfig
