@@ -20,6 +20,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(HOOKS), *filter(None, [os.enviro
 # CI=true: a skip for something `make test` installs (vLLM, dflash, sshd, the data packages,
 # py-spy's ptrace...) fails instead (tests/ci_skips.py); every skip is listed with its reason (-ra)
 from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401
+from shared_once import build_once  # noqa: E402
 
 _SUBJECTS = ["the sea", "a robot", "Paris", "python code", "the moon", "a small cat", "speculative decoding",
              "the library", "a train", "the weather"]
@@ -83,7 +84,6 @@ def tiny_target_factory(tmp_path_factory):
     from tiny_target import make_tiny_target
 
     cache: dict = {}
-    root = tmp_path_factory.mktemp("tiny-targets")
 
     def make(family: str = "qwen3", **kw) -> Path:
         key = (family, tuple(sorted(kw.items())))
@@ -91,7 +91,10 @@ def tiny_target_factory(tmp_path_factory):
             # a string value (an alphabet) by its hash: a path vLLM and HF take as a plain directory
             name = family + "".join(f"-{k}{v if not isinstance(v, str) else hashlib.sha1(v.encode()).hexdigest()[:8]}"
                                     for k, v in sorted(kw.items()))
-            cache[key] = make_tiny_target(root / name, family=family, **kw)
+            # one build per test run, shared by the xdist workers (tests/shared_once.py)
+            built = build_once(tmp_path_factory, f"tiny-targets/{name}",
+                               lambda d: make_tiny_target(d / name, family=family, **kw))
+            cache[key] = built / name
         return cache[key]
 
     return make

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_conversations
+from shared_once import build_once
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK_SIZE = 4  # k 1..3: a k sweep of three engines, and a served k below the block's (2)
@@ -70,7 +71,14 @@ def _training_conversations() -> list[dict]:
 
 @pytest.fixture(scope="session")
 def accepting_export(speaking_llama, tmp_path_factory) -> AcceptingExport:
-    root = tmp_path_factory.mktemp("accepting-export")
+    # trained once per test run, shared by the xdist workers (tests/shared_once.py)
+    root = build_once(tmp_path_factory, "accepting-export", lambda root: _train(speaking_llama, root))
+    return AcceptingExport(speaking_llama, root / "export", root / "run", root / "conv.jsonl", root / "regen.jsonl",
+                           list(PROMPTS))
+
+
+def _train(speaking_llama: Path, root: Path) -> None:
+    """regenerate -> train -> export into `root` (the layout `accepting_export` returns)."""
     convs = _training_conversations()
     data = root / "conv.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in convs))
@@ -88,4 +96,3 @@ def accepting_export(speaking_llama, tmp_path_factory) -> AcceptingExport:
     assert r.returncode == 0, r.stderr[-3000:]
     r = cli("export", str(run), "--out", str(root / "export"))
     assert r.returncode == 0, r.stderr[-3000:]
-    return AcceptingExport(speaking_llama, root / "export", run, data, regen, list(PROMPTS))
