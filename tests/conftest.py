@@ -17,6 +17,15 @@ HOOKS = Path(__file__).resolve().parent / "hooks"
 sys.path.insert(0, str(HOOKS))
 os.environ["PYTHONPATH"] = os.pathsep.join([str(HOOKS), *filter(None, [os.environ.get("PYTHONPATH")])])
 
+# Under pytest-xdist (make test: two workers) each worker's vLLM engines get their own share of the
+# cores: an engine binds its OpenMP threads to every core it may use ("auto"), and two engines spinning
+# on the same two cores slow each other far more than one core each does. A user's setting stays.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    _cores, _n, _i = sorted(os.sched_getaffinity(0)), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), int(_WORKER[2:])
+    _share = _cores[_i * len(_cores) // _n:(_i + 1) * len(_cores) // _n] or [_cores[_i % len(_cores)]]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, _share))
+
 # CI=true: a skip for something `make test` installs (vLLM, dflash, sshd, the data packages,
 # py-spy's ptrace...) fails instead (tests/ci_skips.py); every skip is listed with its reason (-ra)
 from ci_skips import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401
