@@ -4,8 +4,9 @@
                                                      twice (the second time under new ids): 34,780
   python bench/prepare_scale.py serial OUT.jsonl     CPU seconds of the serial parts of a 20K build
                                                      (reading the source; placing; writing rows)
-  python bench/prepare_scale.py rss PREPARED_DIR     peak RSS: opening the rows, a batch, and the
-                                                     trainer's whole-data scan of input_ids
+  python bench/prepare_scale.py rss PREPARED_DIR     peak RSS: opening the rows (and prepare's counts
+                                                     of them, what training reads), a batch, then a
+                                                     scan of the mapped rows (what it no longer does)
 
 The prepare-data and train commands themselves, run under /usr/bin/time -v, are in the doc.
 """
@@ -22,6 +23,7 @@ import torch
 from dflash_train.config import load_config
 from dflash_train.data import prepare, prepare_build, read_prepared
 from dflash_train.data.prepare import build_prepared, cache_inputs, read_source_conversations
+from dflash_train.data.prepared_store import count_rows
 from dflash_train.data.sources import read_conversations
 from dflash_train.targets import load_tokenizer
 
@@ -67,7 +69,7 @@ def serial_parts(jsonl: Path) -> None:
     rows_dir = out.parent / "serial-rows-written"
     rows_dir.mkdir(exist_ok=True)
     t = time.process_time()
-    n = prepare_build.write_rows(reader, rows_dir, cfg.data.max_tokens, 0, cfg.model.block_size + 1)
+    n = prepare_build.write_rows(reader, rows_dir, cfg.data.max_tokens, 0, cfg.model.block_size + 1).rows
     rows_s = time.process_time() - t
     print(f"conversations {len(convs)}, documents {len(reader.lengths)}, rows {n}: read {read_s:.2f} CPU s, "
           f"place {place_s:.2f} CPU s, place + write rows {rows_s:.2f} CPU s")
@@ -82,9 +84,12 @@ def rss(path: Path) -> None:
     idx = torch.randint(0, d.num_rows, (4,))
     batch = d.input_ids[idx], d.loss_mask[idx], d.document_ids[idx]
     batched = mb()
-    n = int((d.input_ids == 49151).sum())  # what train/preflight.py check_mask_unused computes
+    hits = int(d.counts.token_counts[49151]) if len(d.counts.token_counts) > 49151 else 0  # check_mask_unused's
+    counted = mb()
+    scan = count_rows(d.input_ids, d.loss_mask, d.document_ids)  # a chunked scan of the mapped rows
     print(f"{path}: rows {d.num_rows}, open {opened:.0f} MB, a batch of {len(batch[0])} {batched:.0f} MB, "
-          f"the full scan of input_ids ({n} hits) {mb():.0f} MB")
+          f"prepare's counts ({hits} hits of id 49151, {d.counts.real_tokens} tokens) {counted:.0f} MB, "
+          f"a scan of the rows ({scan.real_tokens} tokens) {mb():.0f} MB")
 
 
 if __name__ == "__main__":  # the build's worker processes are spawned: they import this module again

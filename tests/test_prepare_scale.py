@@ -23,7 +23,7 @@ from dflash_train.data import prepare_build
 from dflash_train.data.packing import Document
 from dflash_train.data.prepare import build_prepared, cache_inputs, cache_key, read_source_conversations
 from dflash_train.data.prepare_build import SHARD_CONVERSATIONS, place_documents
-from dflash_train.data.prepared_store import ARRAYS, NpyWriter, write_index
+from dflash_train.data.prepared_store import ARRAYS, NpyWriter, RowCounts, write_index
 from dflash_train.data.sources import is_heldout
 from dflash_train.data.template import ChatFormat
 
@@ -130,7 +130,7 @@ def test_rows_are_memory_mapped_and_old_or_broken_directories_are_one_line(tmp_p
         read_prepared(data.path)
     index = json.loads((data.path / "index.json").read_text())
     (data.path / "index.json").write_text(json.dumps(dict(index, format_version=1)))
-    with pytest.raises(DataError, match="prepared-data format 1, this version reads 2; run prepare-data again"):
+    with pytest.raises(DataError, match="prepared-data format 1, this version reads 3; run prepare-data again"):
         read_prepared(data.path)
     # a cache entry that does not read (here: of the older format) is built again in its place
     again = load_prepared(_cfg(tmp_path, tiny_jsonl), qtok, "qwen3")
@@ -155,7 +155,7 @@ def _synthetic(path: Path, rows: int, t: int) -> Path:
         for s in range(0, rows, 4096):
             w.write(np.ones((min(rows, s + 4096) - s, t), dtype=dt))
         w.close()
-    write_index(path, {}, "synthetic", rows, t, {})
+    write_index(path, {}, "synthetic", RowCounts(np.array([0, rows * t]), np.array([0, rows * t]), rows * t, rows), t, {})
     return path
 
 

@@ -14,8 +14,8 @@
    on every core the process is given (`dflash_train.data.prepare_build`).
 
 The result is cached on disk in ``data.cache_dir/<key>/`` in the form
-`dflash_train.data.prepared_store` describes (flat arrays that readers memory-map,
-``index.json``, ``heldout.jsonl``). ``<key>`` hashes the format version, the source spec and
+`dflash_train.data.prepared_store` describes (flat arrays that readers memory-map, the
+counts training reads instead of scanning them, ``index.json``, ``heldout.jsonl``). ``<key>`` hashes the format version, the source spec and
 the identity of its file (path, size, mtime; the package version for
 ShareGPT), limit, max_tokens, long_rule, heldout_fraction, the drop rule,
 the regenerated file's identity and the tokenizer (its full serialisation,
@@ -219,9 +219,10 @@ def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: di
             tmp.mkdir()
             reader = ShardReader(work, names)
             try:
-                n_rows = write_rows(reader, tmp, rule.max_tokens, _pad_id(tokenizer), rule.min_supervised)
+                counts = write_rows(reader, tmp, rule.max_tokens, _pad_id(tokenizer), rule.min_supervised)
             finally:
                 reader.close()
+            n_rows = counts.rows
             seconds = time.perf_counter() - t0
             stats.update(source=d.regenerated or d.source, conversations_read=rstats.read,
                          train_conversations=len(train), heldout_conversations=len(heldout), rows=n_rows,
@@ -232,7 +233,7 @@ def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: di
                                         "pack": round(time.perf_counter() - t_tok, 3)},
                          tokens_per_second=round(stats["tokens"] / max(seconds, 1e-9), 1))
             write_heldout(tmp, heldout)
-            write_index(tmp, inputs, key, n_rows, rule.max_tokens, stats)
+            write_index(tmp, inputs, key, counts, rule.max_tokens, stats)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
             os.replace(tmp, out_dir)

@@ -9,7 +9,7 @@
 2. The packer places documents by their lengths alone (`place_documents`: exactly
    `packing.pack_documents`' first fit, in O(SCAN_ROWS) per document).
 3. The rows are assembled a chunk at a time from the shard files and appended to the ``.npy``
-   arrays (`prepared_store`).
+   arrays (`prepared_store`), and counted (`RowCounts`) as they go.
 
 Workers: ``len(os.sched_getaffinity(0))`` (the cores this process may run on: ``taskset``,
 cgroups and Slurm bindings included), at most one per shard.
@@ -29,7 +29,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 import numpy as np
 
 from dflash_train.data.packing import SCAN_ROWS, Document, cut_document
-from dflash_train.data.prepared_store import ARRAYS, NpyWriter
+from dflash_train.data.prepared_store import ARRAYS, NpyWriter, RowCounts
 from dflash_train.data.sources import Conversation
 from dflash_train.data.template import ChatFormat, TemplateMismatch
 
@@ -258,14 +258,15 @@ def _data_offset(path: Path) -> int:
         return f.tell()
 
 
-def write_rows(reader: ShardReader, out: Path, max_tokens: int, pad_id: int, min_room: int) -> int:
-    """Pack every document of `reader` and write the three arrays into `out`: the number of rows."""
+def write_rows(reader: ShardReader, out: Path, max_tokens: int, pad_id: int, min_room: int) -> RowCounts:
+    """Pack every document of `reader` and write the three arrays into `out`: their counts."""
     row_of, offset, n_rows = place_documents(reader.lengths, max_tokens, min_room)
     order = np.argsort(row_of, kind="stable")  # by row, documents of a row in source order
     rows_sorted = row_of[order]
     doc_id = np.arange(len(order)) - np.searchsorted(rows_sorted, rows_sorted, side="left")
     writers = {k: NpyWriter(out / f"{k}.npy", dt, (n_rows, max_tokens)) for k, dt in ARRAYS.items()}
     chunk = max(1, ROW_CHUNK_TOKENS // max_tokens)
+    counts = RowCounts()
     for r0 in range(0, n_rows, chunk):
         r1 = min(n_rows, r0 + chunk)
         ids = np.full((r1 - r0, max_tokens), pad_id, dtype=np.int64)
@@ -282,9 +283,10 @@ def write_rows(reader: ShardReader, out: Path, max_tokens: int, pad_id: int, min
         writers["input_ids"].write(ids)
         writers["loss_mask"].write(mask)
         writers["document_ids"].write(docs)
+        counts.add(ids, mask, docs)
     for w in writers.values():
         w.close()
-    return n_rows
+    return counts
 
 
 def fresh_work_dir(work: Path, key: str) -> None:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from dflash_train.data import load_prepared
+from dflash_train.data.prepared_store import RowCounts, count_rows
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.objectives import Objective, capture_layer_ids
 from dflash_train.pipeline.precomputed import PrecomputedFeatures, PrecomputeError
@@ -34,10 +35,15 @@ class TrainingData:
     heldout: list = field(default_factory=list)
     stats: dict = field(default_factory=dict)
     precomputed: PrecomputedFeatures | None = None  # set: batches come from these features, not the target
+    counts: RowCounts | None = None  # prepare's counts of the rows (None: counted here, see row_counts)
 
     @property
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.input_ids, self.loss_mask, self.document_ids
+
+    def row_counts(self) -> RowCounts:
+        """The counts training needs from all the rows: prepare's, else counted a chunk at a time."""
+        return self.counts if self.counts is not None else count_rows(*self.rows)
 
 
 def open_training_data(cfg, load_target: Callable[[Any], Target], given_target: Target | None = None,
@@ -55,7 +61,7 @@ def open_training_data(cfg, load_target: Callable[[Any], Target], given_target: 
     else:
         tokenizer, family = load_tokenizer(cfg.target)
     p = load_prepared(cfg, tokenizer, family)
-    data = TrainingData(p.input_ids, p.loss_mask, p.document_ids, p.heldout, p.stats)
+    data = TrainingData(p.input_ids, p.loss_mask, p.document_ids, p.heldout, p.stats, counts=p.counts)
     log.info("data: %s", data.stats)
     return data, given_target or load_target(tokenizer)
 

@@ -118,10 +118,11 @@ def check_target_fit(cfg: RunConfig, num_layers: int | None, vocab_size: int | N
                   f"(valid ids 0..{vocab_size - 1})")
 
 
-def check_mask_unused(mask_token_id: int, input_ids) -> None:
+def check_mask_unused(mask_token_id: int, token_counts) -> None:
     """The mask token must never be a real token of the data: the drafter could not tell a masked
-    slot from that token (the id is chosen automatically for tokenizers without a mask token)."""
-    n = int((input_ids == mask_token_id).sum())
+    slot from that token (the id is chosen automatically for tokenizers without a mask token).
+    `token_counts`: each id's occurrences in the rows (`RowCounts.token_counts`)."""
+    n = int(token_counts[mask_token_id]) if 0 <= mask_token_id < len(token_counts) else 0
     if n:
         raise TrainError(f"model.mask_token_id={mask_token_id} occurs {n} times in the training data; "
                          "set model.mask_token_id to a token id the data never uses")

@@ -55,7 +55,7 @@ from dflash_train.train.resume import resume_run
 from dflash_train.train.schedule import step_budget
 from dflash_train.train.state import TrainState, checkpoint_meta, checkpoint_payload, recipe_of
 from dflash_train.train.step import TrainStep, capped_anchors
-from dflash_train.train.vocab_subset import vocab_subset_from_rows
+from dflash_train.train.vocab_subset import vocab_subset_from_counts
 from dflash_train.utils import code_version, resolve_device
 
 log = logging.getLogger("dflash_train")
@@ -173,10 +173,11 @@ class Trainer:
             self._log_target(self.target, 0.0)
         self.num_anchors = capped_anchors(cfg.train.num_anchors, int(self.data.input_ids.shape[1]))
         # THE step count (train.max_steps, or train.epochs over these rows), before the schedule is laid out
-        self.budget = step_budget(cfg.train, self.data.document_ids, self.ctx.num_trainers)
+        counts = self.data.row_counts()  # prepare's counts: nothing below scans the rows
+        self.budget = step_budget(cfg.train, self.data.document_ids, self.ctx.num_trainers, counts.real_tokens)
         log.info("%s", self.budget.line())
         self.evals.pick_prompts(self.target)
-        self.vocab_subset = vocab_subset_from_rows(self.data.input_ids, self.data.loss_mask, cfg.train.vocab_subset)
+        self.vocab_subset = vocab_subset_from_counts(counts.supervised_counts, cfg.train.vocab_subset)
         self.drafter_cfg = DrafterConfig.from_target(cfg.model, self.target)
         if self.vocab_subset is not None and self.drafter_cfg.architecture == "dflash":
             # the drafter drafts over the loss's vocabulary: checkpoints carry it, export serves it
@@ -201,7 +202,7 @@ class Trainer:
         log.info("drafter: %d layers, %.2fM params, target layers %s, block size %d, mask token %d",
                  self.drafter_cfg.num_layers, n_params / 1e6, self.drafter_cfg.target_layer_ids,
                  self.drafter_cfg.block_size, self.drafter_cfg.mask_token_id)
-        check_mask_unused(self.drafter_cfg.mask_token_id, self.data.input_ids)
+        check_mask_unused(self.drafter_cfg.mask_token_id, counts.token_counts)
         if self.vocab_subset is not None:
             self.vocab_subset = self.vocab_subset.to(self.device)
         # wrap before the optimizer exists: FSDP2 replaces the parameters with sharded ones

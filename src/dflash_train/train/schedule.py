@@ -9,6 +9,8 @@ from fractions import Fraction
 
 import torch
 
+from dflash_train.data.prepared_store import SCAN_TOKENS
+
 
 def warmup_steps(max_steps: int, warmup_fraction: float) -> int:
     return max(1, int(round(warmup_fraction * max_steps))) if warmup_fraction > 0 else 0
@@ -55,13 +57,17 @@ class StepBudget:
                 f"rows ({round(seen / self.rows * self.tokens):,} tokens); {lr}")
 
 
-def step_budget(train_cfg, document_ids: torch.Tensor, data_parallel: int) -> StepBudget:
+def step_budget(train_cfg, document_ids: torch.Tensor, data_parallel: int, tokens: int | None = None) -> StepBudget:
     """`train.max_steps` as it is, or ceil(epochs * rows / global batch) steps for `train.epochs`, over
     the training rows of `document_ids` ([rows, T], -1 = padding); the global batch is batch_size x
     grad_accum x `data_parallel` (trainer ranks: each takes its own batch_size rows per micro-batch,
-    a colocated rank its slice of the global order)."""
+    a colocated rank its slice of the global order). `tokens`: the rows' real tokens when already
+    counted (`RowCounts.real_tokens`: then `document_ids` is not read, only its length)."""
     t = train_cfg
-    rows, tokens = len(document_ids), int((document_ids >= 0).sum())
+    rows = len(document_ids)
+    if tokens is None:  # a chunk of rows at a time: no [rows, T] temporary
+        step = max(1, SCAN_TOKENS // max(1, int(document_ids.shape[1])))
+        tokens = sum(int((document_ids[r:r + step] >= 0).sum()) for r in range(0, rows, step))
     global_batch = t.batch_size * t.grad_accum * data_parallel
     if t.epochs is not None:
         # exact arithmetic on the epochs as written (0.1 x 30 / 3 is 1 step, not 2)
