@@ -19,6 +19,7 @@ from trainrun import CLI, REPO, env, losses, tiny_overrides
 
 from dflash_train.config import load_config
 from dflash_train.data import DataError, load_prepared, pack_documents, read_prepared
+from dflash_train.data import prepare as prepare_mod
 from dflash_train.data import prepare_build
 from dflash_train.data.packing import Document
 from dflash_train.data.prepare import build_prepared, cache_inputs, cache_key, read_source_conversations
@@ -185,7 +186,7 @@ def test_torchrun_ranks_build_once(tiny_target_factory, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env(), cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out = res.stdout + res.stderr + "".join(p.read_text() for p in (rd / "logs").glob("train.rank*.log"))
-    assert out.count("preparing 38 training conversations") == 1, out[-5000:]
+    assert out.count("prepared 38 training conversations") == 1, out[-5000:]
     assert sorted(losses(rd)) == [1, 2]
     caches = [p for p in (jsonl.parent / "data-cache").iterdir()]
     assert len(caches) == 1 and (caches[0] / "index.json").is_file()
@@ -227,7 +228,7 @@ def test_processes_preparing_the_same_cache_at_once_build_it_once(tiny_target_di
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     both = "".join(outs)
-    assert both.count("preparing 2") == 1 and both.count("waiting for another process preparing data") == 1, both
+    assert both.count("prepared 2") == 1 and both.count("waiting for another process preparing data") == 1, both
     assert sorted(o.strip().splitlines()[-1] for o in outs) == ["cache hit", "cache miss"], outs
 
 
@@ -244,6 +245,38 @@ def test_rows_are_the_rows_pack_documents_makes(tmp_path, qtok):
     ids, mask, doc = pack_documents(docs, 256, qtok.pad_token_id, min_room=9)
     assert torch.equal(data.input_ids, ids) and torch.equal(data.loss_mask, mask)
     assert torch.equal(data.document_ids, doc)
+
+
+def test_the_source_is_read_as_the_shards_are_needed(tmp_path, qtok, monkeypatch):
+    """The build never holds all conversations: when a shard is tokenised the source has been read
+    at most two shards past it; the rows of 15 shards are still pack_documents' rows of them all."""
+    monkeypatch.setattr(prepare_build, "SHARD_CONVERSATIONS", 8)
+    jsonl = write_tiny_jsonl(tmp_path / "conv.jsonl", n=120)
+    cfg = _cfg(tmp_path, jsonl)
+    read: list[str] = []
+    iter_conversations = prepare_mod.iter_conversations
+
+    def counted(*a):
+        for conv in iter_conversations(*a):
+            read.append(conv.id)
+            yield conv
+
+    monkeypatch.setattr(prepare_mod, "iter_conversations", counted)
+    at_shard: list[int] = []
+    write_docs = prepare_build.write_docs
+    monkeypatch.setattr(prepare_build, "write_docs", lambda *a: at_shard.append(len(read)) or write_docs(*a))
+    data = build_prepared(cfg, qtok, "qwen3", tmp_path / "rows", cache_inputs(cfg, qtok, "qwen3"), workers=1)
+    n_read = len(read)
+    convs, _ = read_source_conversations(cfg)
+    train = [c for c in convs if not is_heldout(c, cfg.data.heldout_fraction)]
+    n_heldout = len(convs) - len(train)
+    assert len(at_shard) == -(-len(train) // 8) >= 10 and n_read == len(convs) == 120
+    for k, n in enumerate(at_shard):
+        assert n <= 8 * (k + 2) + n_heldout, (k, at_shard)
+    docs, _ = prepare_build.cut_conversations(train, ChatFormat(qtok, "qwen3"), prepare_build.CutRule(256, "split", 9, {}))
+    ids, mask, doc = pack_documents(docs, 256, qtok.pad_token_id, min_room=9)
+    assert torch.equal(data.input_ids, ids) and torch.equal(data.loss_mask, mask) and torch.equal(data.document_ids, doc)
+    assert data.stats["train_conversations"] == len(train) and len(data.heldout) == n_heldout
 
 
 def test_template_variables_are_part_of_the_cache_key_and_reach_the_workers(tmp_path, qtok, tiny_jsonl, monkeypatch):

@@ -4,7 +4,8 @@
 
 1. conversations come from ``data.regenerated`` (a JSONL written by
    ``dflash-train regenerate``) when set, else from ``data.source``
-   (see `dflash_train.data.sources`), at most ``data.limit`` of them;
+   (see `dflash_train.data.sources`), at most ``data.limit`` of them, read as the
+   build needs them (`stream_source_conversations`: never all held at once);
 2. the fixed hash split sets the held-out ones aside (never trained on);
 3. each training conversation is formatted with its chat format and
    assistant-only loss mask (`dflash_train.data.template`), cut by
@@ -15,9 +16,9 @@
 
 The result is cached on disk in ``data.cache_dir/<key>/`` in the form
 `dflash_train.data.prepared_store` describes (flat arrays that readers memory-map, the
-counts training reads instead of scanning them, ``index.json``, ``heldout.jsonl``). ``<key>`` hashes the format version, the source spec and
-the identity of its file (path, size, mtime; the package version for
-ShareGPT), limit, max_tokens, long_rule, heldout_fraction, the drop rule,
+counts training reads instead of scanning them, ``index.json``, ``heldout.jsonl``). ``<key>``
+hashes the format version, the source spec and the identity of its file (path, size, mtime;
+the package version for ShareGPT), limit, max_tokens, long_rule, heldout_fraction, the drop rule,
 the regenerated file's identity and the tokenizer (its full serialisation,
 chat template, family). Same inputs -> the cache is reused; any change -> a
 new key (caches of the older format have another key: they are rebuilt, not read).
@@ -58,6 +59,7 @@ from dflash_train.data.prepare_build import (
     available_cores,
     fresh_work_dir,
     tokenize_shards,
+    training_shards,
     write_docs,
     write_rows,
 )
@@ -66,7 +68,8 @@ from dflash_train.data.sources import (
     Conversation,
     DataError,
     ReadStats,
-    is_heldout,
+    end_of_read,
+    iter_conversations,
     read_conversations,
     sharegpt_identity,
 )
@@ -148,17 +151,36 @@ def cache_key(inputs: dict[str, Any]) -> str:
 def read_source_conversations(cfg, limit: int | None = None) -> tuple[list[Conversation], ReadStats]:
     """The run's conversations: ``data.regenerated``'s when set, else the first `limit` (default
     ``data.limit``) of ``data.source`` followed by ``data.domain_prompts``' prompts."""
+    convs, stats = stream_source_conversations(cfg, limit)
+    return list(convs), stats
+
+
+def stream_source_conversations(cfg, limit: int | None = None) -> tuple[Iterator[Conversation], ReadStats]:
+    """`read_source_conversations`' conversations one at a time (a build never holds them all); the
+    stats are whole, and a source without any conversation refused, once the iterator is done."""
     d = cfg.data
     limit = d.limit if limit is None else limit
-    if d.regenerated:
-        return read_conversations("jsonl:" + str(d.regenerated), _with_domains(limit, d.domain_prompts))
-    if not d.parsed_source.has_conversations:
+    spec = "jsonl:" + str(d.regenerated) if d.regenerated else d.source
+    if not d.regenerated and not d.parsed_source.has_conversations:
         raise DataError(f"data.source={d.source} holds no conversations")
-    convs, stats = read_conversations(d.source, limit)
-    if d.domain_prompts:
-        convs = convs + domain_conversations(d.domain_prompts, d.source, len(convs), d.heldout_fraction)
-        stats.read = len(convs)
-    return convs, stats
+    stats = ReadStats(spec)
+
+    def conversations() -> Iterator[Conversation]:
+        n = 0
+        try:
+            for conv in iter_conversations(spec, _with_domains(limit, d.domain_prompts) if d.regenerated else limit, stats):
+                n += 1
+                yield conv
+        except OSError as e:  # the source's, not a write's: a build reads it while writing its shards
+            raise DataError(f"{spec}: unreadable ({e})") from None
+        end_of_read(stats, n)
+        if d.domain_prompts and not d.regenerated:
+            for conv in domain_conversations(d.domain_prompts, d.source, n, d.heldout_fraction):
+                n += 1
+                yield conv
+            stats.read = n
+
+    return conversations(), stats
 
 
 def _with_domains(limit: int | None, domains: dict[str, int]) -> int | None:
@@ -176,12 +198,10 @@ def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: di
     d = cfg.data
     out_dir = Path(out_dir)
     key = cache_key(inputs)
-    convs, rstats = read_source_conversations(cfg)
-    train = [c for c in convs if not is_heldout(c, d.heldout_fraction)]
-    heldout = [c for c in convs if is_heldout(c, d.heldout_fraction)]
-    del convs
+    convs, rstats = stream_source_conversations(cfg)
+    heldout: list[Conversation] = []
+    reading = [0.0]  # seconds spent reading the source, between the shards
     rule = CutRule(int(d.max_tokens), d.long_rule, min_supervised_for(cfg), dict(d.chat_template_kwargs or {}))
-    t_read = time.perf_counter()
     work = out_dir.parent / f".{out_dir.name}.build"
     tmp = out_dir.parent / f".{out_dir.name}.tmp{os.getpid()}"
     done = False
@@ -189,18 +209,20 @@ def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: di
         with writing(out_dir):
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             fresh_work_dir(work, key)
-            log.info("preparing %d training conversations of %s on up to %d worker(s) into %s",
-                     len(train), d.regenerated or d.source, workers or available_cores(), out_dir)
+            log.info("preparing the training conversations of %s on up to %d worker(s) into %s",
+                     d.regenerated or d.source, workers or available_cores(), out_dir)
             try:
-                names, records, used = tokenize_shards(train, tokenizer, family, rule, work, workers, progress)
+                shards = training_shards(convs, d.heldout_fraction, heldout, reading)
+                names, records, used, n_train = tokenize_shards(shards, tokenizer, family, rule, work, workers, progress)
             except BrokenProcessPool:
                 raise DataError(f"prepare-data: a worker process died (killed, out of memory?) while preparing "
                                 f"{out_dir}; the same command goes on after the shards already done") from None
             t_tok = time.perf_counter()
+            log.info("prepared %d training conversations (%d held out) in %d shard(s)", n_train, len(heldout), len(names))
             stats = _shard_stats(records, rstats, rule)
             if not stats["documents"]:
                 raise DataError(
-                    f"{d.regenerated or d.source}: no training rows: {len(train)} training conversation(s), "
+                    f"{d.regenerated or d.source}: no training rows: {n_train} training conversation(s), "
                     f"{stats['dropped_documents']} document(s) dropped for fewer than {rule.min_supervised} "
                     f"supervised tokens (max_tokens={d.max_tokens}, long_rule={d.long_rule})")
             if d.copy_task_docs:
@@ -225,11 +247,11 @@ def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: di
             n_rows = counts.rows
             seconds = time.perf_counter() - t0
             stats.update(source=d.regenerated or d.source, conversations_read=rstats.read,
-                         train_conversations=len(train), heldout_conversations=len(heldout), rows=n_rows,
+                         train_conversations=n_train, heldout_conversations=len(heldout), rows=n_rows,
                          max_tokens=rule.max_tokens, fill=stats["tokens"] / float(n_rows * rule.max_tokens),
                          seconds=round(seconds, 3), workers=used,
                          # where the time went: reading the source and packing are the serial parts
-                         phase_seconds={"read": round(t_read - t0, 3), "tokenize": round(t_tok - t_read, 3),
+                         phase_seconds={"read": round(reading[0], 3), "tokenize": round(t_tok - t0 - reading[0], 3),
                                         "pack": round(time.perf_counter() - t_tok, 3)},
                          tokens_per_second=round(stats["tokens"] / max(seconds, 1e-9), 1))
             write_heldout(tmp, heldout)

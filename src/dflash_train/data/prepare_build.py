@@ -1,7 +1,8 @@
 """Building prepared rows on all the cores the process is given, never holding all rows.
 
 1. The training conversations are cut into fixed shards of `SHARD_CONVERSATIONS` (fixed, not
-   per worker: the shards and so the rows are the same whatever the worker count). Worker
+   per worker: the shards and so the rows are the same whatever the worker count), read from the
+   source as the workers need them (the process never holds all conversations). Worker
    processes (spawn: the parent may hold threads, e.g. torch's, that fork would copy mid-lock)
    each format, tokenise, cut and drop the documents of one shard and write them to the build
    directory as flat arrays with a ``.json`` record written last: a killed build keeps its
@@ -16,21 +17,23 @@ cgroups and Slurm bindings included), at most one per shard.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
 import shutil
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterable, Iterator
 
 import numpy as np
 
 from dflash_train.data.packing import SCAN_ROWS, Document, cut_document
 from dflash_train.data.prepared_store import ARRAYS, NpyWriter, RowCounts
-from dflash_train.data.sources import Conversation
+from dflash_train.data.sources import Conversation, is_heldout
 from dflash_train.data.template import ChatFormat, TemplateMismatch
 
 SHARD_CONVERSATIONS = 512
@@ -120,30 +123,71 @@ def shard_name(i: int) -> str:
     return f"shard-{i:06d}"
 
 
-def tokenize_shards(train: list[Conversation], tokenizer, family: str | None, rule: CutRule, work: Path,
-                    workers: int | None = None, progress: Callable[[int, int], None] | None = None
-                    ) -> tuple[list[str], list[dict[str, Any]], int]:
-    """Every shard of `train` tokenised into `work` (finished shards of an earlier build reused):
-    (shard names in order, their records, the worker count used)."""
-    starts = range(0, len(train), SHARD_CONVERSATIONS)
-    names = [shard_name(i) for i in range(len(starts))]
-    records: dict[str, dict] = {n: r for n in names if (r := read_record(work, n)) is not None}
-    todo = [(work, n, train[s:s + SHARD_CONVERSATIONS], rule) for n, s in zip(names, starts) if n not in records]
-    done = sum(r["conversations"] for r in records.values())
-    workers = max(1, min(workers or available_cores(), len(todo)))
+def training_shards(convs: Iterable[Conversation], heldout_fraction: float, heldout: list[Conversation],
+                    reading: list[float]) -> Iterator[list[Conversation]]:
+    """The training conversations of `convs` in shards of SHARD_CONVERSATIONS, read as the shards are
+    needed; the held-out ones are appended to `heldout`, the seconds spent reading added to `reading[0]`."""
+    shard: list[Conversation] = []
+    it = iter(convs)
+    while True:
+        t = time.perf_counter()
+        conv = next(it, None)
+        reading[0] += time.perf_counter() - t
+        if conv is None:
+            break
+        if is_heldout(conv, heldout_fraction):
+            heldout.append(conv)
+            continue
+        shard.append(conv)
+        if len(shard) == SHARD_CONVERSATIONS:
+            yield shard
+            shard = []
+    if shard:
+        yield shard
+
+
+def tokenize_shards(shards: Iterable[list[Conversation]], tokenizer, family: str | None, rule: CutRule, work: Path,
+                    workers: int | None = None, progress: Callable[[int, int | None], None] | None = None
+                    ) -> tuple[list[str], list[dict[str, Any]], int, int]:
+    """Every shard of `shards` tokenised into `work` (finished shards of an earlier build reused; the
+    shards are taken as the workers need them, so only those in flight are held): (shard names in
+    order, their records, the worker count used, the training conversations)."""
+    names: list[str] = []
+    records: dict[str, dict] = {}
+    seen = done = queued = 0
+
+    def todo() -> Iterator[tuple]:
+        nonlocal seen, done, queued
+        for i, convs in enumerate(shards):
+            name = shard_name(i)
+            names.append(name)
+            seen += len(convs)
+            if (rec := read_record(work, name)) is not None:
+                records[name] = rec
+                done += rec["conversations"]
+                continue
+            queued += 1
+            yield (work, name, convs, rule)
+
+    tasks = todo()
+    first = list(itertools.islice(tasks, 2))  # one shard to do: tokenised in this process
+    workers = max(1, min(workers or available_cores(), len(first) if len(first) < 2 else 1 << 30))
     if progress is not None:
-        progress(done, len(train))
-    for rec in _run(todo, tokenizer, family, rule.template_kwargs, workers):
+        progress(done, None)
+    for rec in _run(itertools.chain(first, tasks), tokenizer, family, rule.template_kwargs, workers):
         records[shard_name(int(rec["shard"]))] = rec
         done += rec["conversations"]
         if progress is not None:
-            progress(done, len(train))
-    return names, [records[n] for n in names], workers
+            progress(done, None)
+    if progress is not None:
+        progress(done, seen)
+    # the executor starts a worker only when none is idle: no more than there were shards to do
+    return names, [records[n] for n in names], max(1, min(workers, queued)), seen
 
 
-def _run(todo: list, tokenizer, family: str | None, template_kwargs: dict[str, Any],
+def _run(todo: Iterator[tuple], tokenizer, family: str | None, template_kwargs: dict[str, Any],
          workers: int) -> Iterator[dict[str, Any]]:
-    named = [(t, int(t[1].rsplit("-", 1)[1])) for t in todo]
+    named = ((t, int(t[1].rsplit("-", 1)[1])) for t in todo)
     if workers == 1:  # in this process: nothing to pickle, no interpreter to start
         _init_worker(tokenizer, family, template_kwargs)
         for task, i in named:
@@ -152,11 +196,19 @@ def _run(todo: list, tokenizer, family: str | None, template_kwargs: dict[str, A
     # an executor, not a Pool: a worker that dies (the OOM killer) raises BrokenProcessPool instead of a hang
     ex = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker,
                              (tokenizer, family, template_kwargs))
+    pending: deque = deque()
     finished = False
     try:
-        # map: results in shard order; a task is pickled only when a worker is about to take it
-        for i, rec in zip([i for _, i in named], ex.map(_shard_task, [t for t, _ in named])):
-            yield dict(rec, shard=i)
+        # results in shard order; a shard is read from the source only when one is about to be free
+        # (not Executor.map: it submits every task at once, so all conversations would be held)
+        for task, i in named:
+            pending.append((i, ex.submit(_shard_task, task)))
+            if len(pending) > workers:
+                j, fut = pending.popleft()
+                yield dict(fut.result(), shard=j)
+        while pending:
+            j, fut = pending.popleft()
+            yield dict(fut.result(), shard=j)
         finished = True
     finally:
         # on an error or Ctrl-C the queued shards are dropped, not run to the end

