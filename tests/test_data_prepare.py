@@ -78,7 +78,8 @@ def test_load_prepared_rows(tmp_path, tiny_jsonl, qtok):
     convs, _ = read_conversations(f"jsonl:{tiny_jsonl}", None)
     held = [c for c in convs if is_heldout(c, 0.2)]
     assert [c.id for c in held] == [c.id for c in data.heldout]
-    assert data.heldout[0].prompt and data.heldout[0].reference
+    first = next(iter(data.heldout))  # read from heldout.jsonl as iterated (never loaded whole)
+    assert first.prompt and first.reference
     unique_held = [c.reference for c in held if all(c.reference not in t.reference for t in convs if t not in held)]
     for ans in unique_held:
         assert all(ans not in t for t in train_texts)
@@ -159,4 +160,4 @@ def test_answers_holding_unicode_line_separators_survive_the_cache(tmp_path, qto
     again = load_prepared(cfg, qtok, "qwen3")  # from the cache: heldout.jsonl read back
     assert again.stats["cache"] == "hit"  # not rebuilt: an unreadable cache is rebuilt with a warning
     assert len(first.heldout) >= 1 and [c.to_json() for c in again.heldout] == [c.to_json() for c in first.heldout]
-    assert "\u2028" in json.dumps(again.heldout[0].to_json(), ensure_ascii=False)
+    assert "\u2028" in json.dumps(next(iter(again.heldout)).to_json(), ensure_ascii=False)

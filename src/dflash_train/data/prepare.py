@@ -63,7 +63,8 @@ from dflash_train.data.prepare_build import (
     write_docs,
     write_rows,
 )
-from dflash_train.data.prepared_store import FORMAT_VERSION, PreparedData, read_prepared, write_heldout, write_index
+from dflash_train.data.prepared_store import (FORMAT_VERSION, HELDOUT_FILE, HeldoutWriter, PreparedData, read_prepared,
+                                              write_index)
 from dflash_train.data.sources import (
     Conversation,
     DataError,
@@ -199,7 +200,7 @@ def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: di
     out_dir = Path(out_dir)
     key = cache_key(inputs)
     convs, rstats = stream_source_conversations(cfg)
-    heldout: list[Conversation] = []
+    heldout: HeldoutWriter | None = None
     reading = [0.0]  # seconds spent reading the source, between the shards
     rule = CutRule(int(d.max_tokens), d.long_rule, min_supervised_for(cfg), dict(d.chat_template_kwargs or {}))
     work = out_dir.parent / f".{out_dir.name}.build"
@@ -209,6 +210,7 @@ def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: di
         with writing(out_dir):
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             fresh_work_dir(work, key)
+            heldout = HeldoutWriter(work / HELDOUT_FILE)  # streamed to disk, not held (prepared_store)
             log.info("preparing the training conversations of %s on up to %d worker(s) into %s",
                      d.regenerated or d.source, workers or available_cores(), out_dir)
             try:
@@ -254,7 +256,8 @@ def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: di
                          phase_seconds={"read": round(reading[0], 3), "tokenize": round(t_tok - t0 - reading[0], 3),
                                         "pack": round(time.perf_counter() - t_tok, 3)},
                          tokens_per_second=round(stats["tokens"] / max(seconds, 1e-9), 1))
-            write_heldout(tmp, heldout)
+            heldout.close()
+            os.replace(work / HELDOUT_FILE, tmp / HELDOUT_FILE)
             write_index(tmp, inputs, key, counts, rule.max_tokens, stats)
             if out_dir.exists():
                 shutil.rmtree(out_dir)
@@ -264,6 +267,8 @@ def build_prepared(cfg, tokenizer, family: str | None, out_dir: Path, inputs: di
         shutil.rmtree(work, ignore_errors=True)  # a full disk or bad input: nothing is left beside out_dir
         raise
     finally:
+        if heldout is not None:
+            heldout.close()
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; a failure's leftovers
         if done:
             shutil.rmtree(work, ignore_errors=True)

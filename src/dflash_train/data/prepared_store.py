@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 import numpy as np
 import torch
@@ -79,7 +79,7 @@ class PreparedData:
     input_ids: torch.Tensor      # [N, T] int64
     loss_mask: torch.Tensor      # [N, T] bool
     document_ids: torch.Tensor   # [N, T] int32, -1 = padding
-    heldout: list[Conversation]  # eval prompts: .prompt (first user text), .reference (first answer)
+    heldout: HeldoutFile | list[Conversation]  # eval prompts: .prompt (first user text), .reference (first answer)
     stats: dict[str, Any] = field(default_factory=dict)
     path: Path | None = None     # the cache / prepared directory it came from
     counts: RowCounts | None = None  # counted by prepare (None: count_rows them)
@@ -124,10 +124,46 @@ def write_index(path: Path, inputs: dict[str, Any], key: str, counts: RowCounts,
     (path / "index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def write_heldout(path: Path, heldout: list[Conversation]) -> None:
-    with (path / "heldout.jsonl").open("w") as f:
-        for c in heldout:
-            f.write(json.dumps(c.to_json(), ensure_ascii=False) + "\n")
+HELDOUT_FILE = "heldout.jsonl"
+
+
+class HeldoutWriter:
+    """The held-out conversations written to `file` as prepare meets them (5 % of a million
+    conversations is ~1 GB as Python objects); `len` counts them."""
+
+    def __init__(self, file: Path) -> None:
+        self.file, self.count = file, 0
+        self._f = file.open("w")
+
+    def append(self, conv: Conversation) -> None:
+        self._f.write(json.dumps(conv.to_json(), ensure_ascii=False) + "\n")
+        self.count += 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def close(self) -> None:
+        self._f.close()
+
+
+@dataclass(frozen=True)
+class HeldoutFile:
+    """A prepared directory's held-out conversations, read from its file as they are iterated:
+    an evaluation takes its first few prompts, and no rank holds them all (memory independent of
+    the data's size)."""
+    file: Path
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self) -> Iterator[Conversation]:
+        if not self.file.is_file():
+            return
+        with self.file.open("rb") as f:
+            for line in f:  # binary lines end at "\n" only: answers may hold U+2028
+                if line.strip():
+                    yield Conversation.from_json(json.loads(line))
 
 
 def read_index(path: Path) -> dict[str, Any]:
@@ -175,10 +211,7 @@ def read_prepared(path: Path) -> PreparedData:
                         "run prepare-data again")
     n, t = int(index["num_rows"]), int(index["max_tokens"])
     arrays = {name: _open_array(path, name, n, t) for name in ARRAYS}
-    heldout = []
-    hf = path / "heldout.jsonl"
-    if hf.is_file():
-        heldout = [Conversation.from_json(json.loads(line)) for line in hf.read_bytes().split(b"\n") if line.strip()]  # "\n" only: answers may hold U+2028
+    heldout = HeldoutFile(path / HELDOUT_FILE, int(index.get("stats", {}).get("heldout_conversations", 0)))
     data = PreparedData(arrays["input_ids"], arrays["loss_mask"], arrays["document_ids"], heldout,
                         dict(index.get("stats", {})), path, _read_counts(path, index, n))
     data.stats["inputs"] = index.get("inputs", {})

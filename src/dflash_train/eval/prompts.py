@@ -87,7 +87,10 @@ def pick_eval_prompts(heldout: Sequence[Any], num_prompts: int, target, max_prom
     `max_prompt_tokens` (the row length the drafter trained at): tau is measured where the drafter
     was trained, and a 4000-token ShareGPT paste does not dominate the eval's time."""
     out: list[str] = []
-    for text in heldout_prompts(heldout, len(heldout)):
+    for conv in heldout:  # read as far as needed: a prepared directory's file is not loaded whole
+        text = _first_user_text(conv)
+        if not text or not text.strip():
+            continue
         ids, _ = encode_prompts(target, [text], run_cfg)
         if ids and len(ids[0]) <= max_prompt_tokens:
             out.append(text)
