@@ -61,12 +61,13 @@ def serve_bench(export: Path, target: str, prompts: Path, n: int, tokens: int, *
     return cli(*args)
 
 
-def replay_tau(export: Path, target_dir: str, prompts: list[str], outputs: list[list[int]], k: int | None = None) -> float:
-    """Our masks-only tau of the same drafter on plain vLLM's outputs (eval/replay.py)."""
+def replay_steps(export: Path, target_dir: str, prompts: list[str], outputs: list[list[int]],
+                 k: int | None = None) -> list[list[int]]:
+    """Our masks-only acceptance lengths of the same drafter on plain vLLM's outputs (eval/replay.py),
+    per prompt: the tokens each verify step produced."""
     from dflash_train.config import TargetConfig
     from dflash_train.eval.prompts import encode_prompts
     from dflash_train.eval.replay import replay_acceptance
-    from dflash_train.eval.specdec import tau_of
     from dflash_train.checkpoint.source import resolve_drafter_source
     from dflash_train.model.dflash2 import build_drafter
     from dflash_train.targets import load_target
@@ -77,11 +78,20 @@ def replay_tau(export: Path, target_dir: str, prompts: list[str], outputs: list[
     drafter.load_state_dict(src.state_dict)
     drafter.eval()
     ids, _ = encode_prompts(target, prompts)
-    acc: list[int] = []
     with torch.no_grad():
-        for p, out in zip(ids, outputs):
-            acc += replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=k)
-    return tau_of(acc)
+        return [replay_acceptance(drafter, target, list(p) + list(out), len(p), seeded=False, k=k)
+                for p, out in zip(ids, outputs)]
+
+
+def assert_engine_steps_are_replay(row: dict, outputs: list[list[int]], replayed: list[list[int]]) -> None:
+    """The engine's verify steps, prompt by prompt, are our replay's: each step's accepted drafts + 1
+    (the last clipped at the output's end), and so the same tau."""
+    from dflash_train.engine.vllm_worker import produced_per_step
+    from dflash_train.eval.specdec import tau_of
+
+    engine = [produced_per_step(a, len(o)) for a, o in zip(row["accepted_per_step"], outputs)]
+    assert engine == replayed, (engine, replayed)
+    assert row["tau"] == pytest.approx(tau_of([p for per in replayed for p in per]), rel=1e-9)
 
 
 PROMPTS = ENGINE_PROMPTS
@@ -101,9 +111,11 @@ def recomputed_tau(row: dict, outputs: list[list[int]]) -> float:
     return decode / (decode - row["accepted_in_output"])
 
 
-# our replay of the same drafter on plain vLLM's outputs against the engine's tau: measured 2.49 vs 2.56 at
-# k 3 on these 4 x 24 tokens (37 verify steps vs the engine's 36), so 5 %, not the 1 % issue 46 asks for
-REPLAY_TOLERANCE = 0.05
+# our replay against the engine's tau where the two do not see the same outputs step by step (compare's
+# held-out replay): issue 46's 1 %. On the same outputs the steps are equal (assert_engine_steps_are_replay):
+# measured 2.4865 == 2.4865 at k 3, 2.2439 == 2.2439 at k 2 on the 4 x 24 tokens below, once the engine's
+# drafter is the export's (vllm_worker.fix_dflash_context_k_norm; without it 2.56 vs 2.49 at k 3)
+REPLAY_TOLERANCE = 0.01
 
 
 def test_served_drafter_accepts_lossless_by_counters_and_replay(accepting_export, tmp_path):
@@ -137,9 +149,9 @@ def test_served_drafter_accepts_lossless_by_counters_and_replay(accepting_export
     d = rows["dflash"]
     assert d["draft_tokens"] == d["k"] * d["drafts"], d  # DFlash drafts its whole k at every step
     assert d["tau"] > 1.3, d  # drafts that are kept: the checks above compare kept tokens, not 1.0 with 1.0
-    # the engine's tau is ours: replay of the same drafter on plain vLLM's outputs
-    ours = replay_tau(export, target, acc.prompts, outs["plain"])
-    assert abs(d["tau"] - ours) <= REPLAY_TOLERANCE * ours, (d["tau"], ours)
+    # the engine's tau is ours: replay of the same drafter on plain vLLM's outputs, step by step
+    assert res["engine_fixes"] == ["dflash_context_k_norm"], res.get("engine_fixes")  # vLLM 0.32's CPU kernel
+    assert_engine_steps_are_replay(d, outs["plain"], replay_steps(export, target, acc.prompts, outs["plain"]))
 
     # served with fewer draft tokens than the block holds (--k): the engine drafts 2 per step
     r = serve_bench(export, target, prompts, 4, 24, "dflash", k=2)
@@ -149,8 +161,7 @@ def test_served_drafter_accepts_lossless_by_counters_and_replay(accepting_export
     assert res2["outputs"]["dflash"] == outs["plain"] and d2["k"] == 2
     assert d2["drafts"] > 0 and d2["draft_tokens"] == 2 * d2["drafts"] and d2["accepted_tokens"] > 0
     assert d2["tau"] == pytest.approx(recomputed_tau(d2, outs["plain"]))
-    ours2 = replay_tau(export, target, acc.prompts, outs["plain"], k=2)
-    assert abs(d2["tau"] - ours2) <= REPLAY_TOLERANCE * ours2, (d2["tau"], ours2)
+    assert_engine_steps_are_replay(d2, outs["plain"], replay_steps(export, target, acc.prompts, outs["plain"], k=2))
     # more draft tokens than the block holds: one line, exit 2, before any engine starts
     r = serve_bench(export, target, prompts, 4, 24, k=BLOCK_SIZE)
     assert r.returncode == 2 and f"--k={BLOCK_SIZE}" in r.stderr and f"block_size {BLOCK_SIZE}" in r.stderr
@@ -175,6 +186,56 @@ def test_served_drafter_accepts_lossless_by_counters_and_replay(accepting_export
     (s3,) = res3["rows"]
     assert res3["outputs"]["dflash"] == outs["plain"]
     assert s3["tau"] < d["tau"] - 0.2, (s3["tau"], d["tau"])
+
+
+def test_lookup_gate_engine_steps_are_replay(accepting_export, tmp_path):
+    """`dflash+lookup` (the plugin's gate: lookup's continuation over the drafter's block where its
+    match is >= 3 tokens) served at k 3 on the accepting drafter: the engine's verify steps equal our
+    replay of the same gate over plain vLLM's outputs (the drafter's drafts from replay, lookup's
+    proposal and match length from the plugin's own rule, on prompt + output up to each anchor)."""
+    from dflash_train.engine.measure import LOOKUP_MIN_MATCH, LOOKUP_MODE
+    from dflash_train.engine.vllm_process import lookup_plugin_missing
+    from dflash_train.engine.vllm_worker import produced_per_step
+    from dflash_train.config import TargetConfig
+    from dflash_train.eval.prompts import encode_prompts
+    from dflash_train.eval.replay import replay_drafts
+    from dflash_train.checkpoint.source import resolve_drafter_source
+    from dflash_train.model.acceptance import walk_acceptance
+    from dflash_train.model.dflash2 import build_drafter
+    from dflash_train.targets import load_target
+
+    if lookup_plugin_missing():
+        pytest.skip("the vllm-dflash-lookup plugin is not installed in the vLLM environment")
+    sys.path.insert(0, str(REPO / "plugins" / "vllm_dflash_lookup"))
+    from vllm_dflash_lookup.proposal import lookup
+
+    assert (LOOKUP_MODE, LOOKUP_MIN_MATCH) == ("gate", 3)
+    acc = accepting_export
+    r = serve_bench(acc.export, str(acc.target), prompts_file(tmp_path / "p.jsonl", acc.prompts), 4, 24,
+                    "plain", "dflash+lookup", k=3)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    outs, row = res["outputs"], next(x for x in res["rows"] if x["method"] == "dflash+lookup")
+    assert outs["dflash+lookup"] == outs["plain"] and res["engine_fixes"] == ["dflash_context_k_norm"]
+    target = load_target(TargetConfig(path=str(acc.target), device="cpu", dtype="float32"))
+    src = resolve_drafter_source(acc.export)
+    drafter = build_drafter(src.config, seed=0)
+    drafter.load_state_dict(src.state_dict)
+    drafter.eval()
+    ids, _ = encode_prompts(target, acc.prompts)
+    replayed = []
+    for p, out in zip(ids, outs["plain"]):
+        seq, n = list(p) + list(out), len(p)
+        drafts = replay_drafts(drafter, target, seq, n, seeded=False, k=3).tolist()
+
+        def gated(s: int, seq=seq, n=n, drafts=drafts) -> list[int]:
+            tokens, match = lookup(seq[:s + 1], 3)
+            return tokens + drafts[s - n][len(tokens):] if tokens and match >= LOOKUP_MIN_MATCH else drafts[s - n]
+
+        replayed.append(walk_acceptance(seq, n, gated))
+    engine = [produced_per_step(a, len(o)) for a, o in zip(row["accepted_per_step"], outs["plain"])]
+    assert engine == replayed, (engine, replayed)  # measured: tau 2.421 both, 38 steps
+    assert any(a > 0 for per in row["accepted_per_step"] for a in per)
 
 
 def test_dflash2_export_refused_on_cpu_in_one_line(tiny_llama, tmp_path):

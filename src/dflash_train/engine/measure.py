@@ -99,7 +99,9 @@ def measurement(res: dict[str, Any], job: dict[str, Any], indices: Sequence[int]
     indices = list(indices)
     greedy = job["temperature"] <= 0
     methods = methods_over(res["methods"], indices)
-    return {"vllm_version": res.get("vllm_version"), "rows": summarise(methods, len(indices), compare_outputs=greedy),
+    # engine_fixes: what the worker corrected in this vLLM build (vllm_worker.fix_dflash_context_k_norm)
+    return {"vllm_version": res.get("vllm_version"), "engine_fixes": res.get("engine_fixes", []),
+            "rows": summarise(methods, len(indices), compare_outputs=greedy),
             "k": job["methods"][0]["k"], "dtype": job["dtype"], "num_prompts": len(indices),
             "max_new_tokens": job["max_new_tokens"], "temperature": job["temperature"], "top_p": job["top_p"],
             "seconds": seconds, "outputs": {m["name"]: m["outputs"] for m in methods}}
@@ -174,6 +176,9 @@ def summarise(methods: Sequence[dict], num_prompts: int, compare_outputs: bool =
             "draft_tokens": float(m.get("spec_decode_num_draft_tokens", 0.0)),
             "new_tokens": n, "seconds": m["seconds"], "load_seconds": m["load_seconds"], "tokens_per_s": tps,
             "speedup": None, "lossless": None,
+            # per prompt, the engine's accepted drafts at each verify step (raw: the last step's may
+            # exceed what the output kept; vllm_worker.produced_per_step clips it), for step-by-step checks
+            "accepted_per_step": [p.get("accepted_per_step") for p in m.get("per_prompt", [])],
             **({"lookup": m["lookup"]} if m.get("lookup") else {}),
         })
     if plain is not None:
@@ -191,7 +196,8 @@ def methods_over(methods: Sequence[dict], indices: Sequence[int]) -> list[dict]:
     out = []
     for m in methods:
         per = [m["per_prompt"][i] for i in indices]
-        out.append({**m, "outputs": [m["outputs"][i] for i in indices], "seconds": sum(p["seconds"] for p in per),
+        out.append({**m, "outputs": [m["outputs"][i] for i in indices], "per_prompt": per,
+                    "seconds": sum(p["seconds"] for p in per),
                     **{c: sum(p[c] for p in per) for c in COUNTER_KEYS},
                     "accepted_in_output": (None if any(p.get("accepted_in_output") is None for p in per)
                                            else sum(p["accepted_in_output"] for p in per))})

@@ -51,29 +51,83 @@ def _speculative_config(method: dict) -> dict | None:
     return {"method": "dflash", "model": method["model"], "num_speculative_tokens": method["k"]}
 
 
+def produced_per_step(accepted_per_step, new_tokens: int) -> list[int]:
+    """Tokens each verify step put in an output of `new_tokens` tokens: its accepted drafts + 1, the
+    step that crosses the output's end (max_tokens, a stop token) clipped there. The first new token
+    came from the prefill, not a verify step; our replay's acceptance lengths are these."""
+    room, made, out = int(new_tokens) - 1, 0, []
+    for accepted in accepted_per_step:
+        if made >= room:
+            break
+        out.append(min(int(accepted) + 1, room - made))
+        made += out[-1]
+    return out
+
+
 def kept_accepted(completion) -> int | None:
     """Accepted draft tokens the output kept. The engine's counter counts every token a verify step
     accepted, also those the request's end (max_tokens, a stop token) then cut from the output: up to
     k at the last step, enough to move tau on short outputs (measured: 3.17 counted vs 2.49 kept at
     k 3 on 24-token answers). Walks the request's own per-step record (vLLM's detailed per-request
-    spec-decode metrics) and clips the step that crosses the output's end; None without the record."""
+    spec-decode metrics), clipped at the output's end; None without the record."""
+    steps = per_step(completion)
+    return None if steps is None else sum(p - 1 for p in produced_per_step(steps, len(completion.token_ids)))
+
+
+def per_step(completion) -> list[int] | None:
+    """The engine's accepted drafts at each verify step of a request (None without the record)."""
     m = getattr(completion, "spec_decode_metrics", None)
-    if m is None or not m.per_step_accepted:
-        return None if m is None else 0
-    room = len(completion.token_ids) - 1  # decoded tokens: the first came from the prefill
-    made = kept = 0
-    for accepted in m.per_step_accepted:
-        if made >= room:
-            break
-        produced = min(int(accepted) + 1, room - made)
-        kept += produced - 1
-        made += produced
-    return kept
+    return None if m is None else [int(a) for a in m.per_step_accepted]
 
 
 def kept_total(per_prompt: list[dict]) -> int | None:
     kept = [p["accepted_in_output"] for p in per_prompt]
     return None if any(k is None for k in kept) else sum(kept)
+
+
+def grouped_rms_norm_ignores_groups() -> bool:
+    """Whether this build's `rms_norm` kernel norms every row of an [L, ..., D] input with the first
+    row of an [L, D] weight. vLLM's DFlash model norms its context keys of all layers in one call with
+    the layers' k_norm weights stacked (qwen3_dflash `_normalize_context_k`); the CPU kernel of 0.32
+    reads weight[0] only (measured), so every layer after the first attends to context keys normed
+    with the first layer's k_norm: drafts other than the export's (logits off by 0.05-1.3 on a tiny
+    drafter; 2 of 36 drafts at k 3 flipped, tau 2.56 vs 2.49 for the export's own drafts)."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    x = torch.ones(2, 1, 64)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, torch.stack([torch.ones(64), torch.full((64,), 2.0)]), 1e-6)
+    return not torch.allclose(out[1], torch.full_like(out[1], 2.0))
+
+
+def fix_dflash_context_k_norm() -> bool:
+    """Norm each layer's context keys with its own k_norm where the grouped kernel cannot (above),
+    so the engine drafts with the drafter the export holds. Applied in this process (the spawned
+    engine core imports this script as __mp_main__, which applies it there: bottom of the file).
+    Returns whether the fix was needed."""
+    try:
+        import torch
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.models import qwen3_dflash
+    except ImportError:  # a vLLM without this model: nothing to fix
+        return False
+    fixed = getattr(qwen3_dflash.DFlashQwen3Model, "_dflash_train_fixed", False)
+    try:
+        if fixed or not grouped_rms_norm_ignores_groups():
+            return fixed
+    except RuntimeError:  # a kernel that refuses the check's shape: left as it is (engine_fixes says so)
+        return False
+
+    def _normalize_context_k(self, all_k: torch.Tensor) -> torch.Tensor:
+        normed = torch.empty_like(all_k)
+        for i in range(all_k.shape[0]):  # [L, num_ctx, nkv, hd]: one layer's keys, its own weight
+            ops.rms_norm(normed[i], all_k[i], self._k_norm_weights[i].contiguous(), self._rms_norm_eps)
+        return normed
+
+    qwen3_dflash.DFlashQwen3Model._normalize_context_k = _normalize_context_k
+    qwen3_dflash.DFlashQwen3Model._dflash_train_fixed = True
+    return True
 
 
 class Refused(Exception):
@@ -195,7 +249,10 @@ def run_method(job: dict, method: dict) -> dict:
             outputs.append(list(out.outputs[0].token_ids))
             # per prompt: a caller reports groups of prompts (suites, categories) from one engine run
             per_prompt.append({"seconds": dt, **{k.split(":", 1)[1]: c1[k] - c0[k] for k in _COUNTERS},
-                               "accepted_in_output": kept_accepted(out.outputs[0])})
+                               "accepted_in_output": kept_accepted(out.outputs[0]),
+                               # the engine's accepted drafts at each verify step (None without the record):
+                               # what a replay of the same drafter is compared with step by step
+                               "accepted_per_step": per_step(out.outputs[0])})
         after = _counters(llm)
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -239,6 +296,8 @@ def main(job_path: str, result_path: str) -> int:
         import vllm
 
         result["vllm_version"] = vllm.__version__
+        # engines start after this: a forked process inherits the fix, a spawned one applies it on import
+        result["engine_fixes"] = ["dflash_context_k_norm"] if fix_dflash_context_k_norm() else []
         if job.get("mode") == "generate":
             result.update(generate(job))
         else:
@@ -260,3 +319,5 @@ def main(job_path: str, result_path: str) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1], sys.argv[2]))
+elif __name__ == "__mp_main__":  # vLLM's engine core, spawned (the CPU platform spawns): its model is built here
+    fix_dflash_context_k_norm()
