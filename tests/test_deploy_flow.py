@@ -232,7 +232,7 @@ class TestPreflightRefusals:
     def test_config_schema_change_is_refused(self, job_a, tmp_path):
         pid = job_a.record()["pid"]
         code = code_copy(tmp_path / "schema", lambda pkg: replace_in(
-            pkg / "config.py", "    grad_clip: float = Field(", "    max_grad_norm: float = Field("))
+            pkg / "config_sections.py", "    grad_clip: float = Field(", "    max_grad_norm: float = Field("))
         rc, rep, err = deploy(job_a.run_dir, code)
         assert rc == 1 and rep["result"] == "refused", err
         check = {c["name"]: c for c in rep["preflight"]["checks"]}
@@ -244,7 +244,7 @@ class TestPreflightRefusals:
         would silently change the running job's config on restart."""
         pid = job_a.record()["pid"]
         code = code_copy(tmp_path / "default", lambda pkg: replace_in(
-            pkg / "config.py", "grad_clip: float = Field(1.0,", "grad_clip: float = Field(2.0,"))
+            pkg / "config_sections.py", "grad_clip: float = Field(1.0,", "grad_clip: float = Field(2.0,"))
         rc, rep, err = deploy(job_a.run_dir, code)
         assert rc == 1 and rep["result"] == "refused", err
         check = {c["name"]: c for c in rep["preflight"]["checks"]}
