@@ -52,11 +52,12 @@ demo: $(STAMP) $(VLLM_STAMP)
 
 # one intra-op thread per process: the tests run tiny models in several threads
 # and subprocesses at once, where oversubscribed cores cost far more than they give
-# two pytest workers (pytest-xdist), one test file each at a time: module fixtures stay in one process,
+# two pytest workers (pytest-xdist), one test file each at a time (the longest first: tests/conftest.py):
+# module fixtures stay in one process;
 # session builds (tiny targets, the engine tests' export) are shared through a file lock (tests/shared_once.py)
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # the side-by-side table (issue 36): dflash-train, speculators, SpecForge and ModelOpt on the same
 # work, judged in vLLM; each peer in its own venv under .venv-peers/ (~2 h on 2 cores). Not part of make test.

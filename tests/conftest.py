@@ -74,6 +74,19 @@ def write_tiny_jsonl(path: Path, n: int = 24, seed: int = 0) -> Path:
     return path
 
 
+# The longest test files first (measured: `pytest --durations`, docs/benchmarks.md): make test's two
+# workers take whole files in collection order (--dist loadfile --no-loadscope-reorder), and a long
+# file picked up last would leave one worker running alone at the end.
+LONGEST_FIRST = ["test_engine_vllm.py", "test_suites.py", "test_deploy_flow.py", "test_regenerate_endpoints.py",
+                 "test_vllm_lookup_plugin.py", "test_k_auto.py", "test_train_resume.py", "test_model_compile.py",
+                 "test_target_tensor_parallel.py", "test_no_data_loss.py", "test_compare.py", "test_storage_faults.py"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(autouse=True)
 def _one_intra_op_thread():
     """One intra-op thread per test process: on a shared 2-core box tiny models
@@ -131,4 +144,4 @@ def train_setup(tiny_target_factory, tmp_path_factory, request):
 
 
 # the engine tests' shared drafter that accepts in vLLM (tests/engine_fixtures.py)
-from engine_fixtures import accepting_export, speaking_llama  # noqa: E402,F401
+from engine_fixtures import accepting_export, served_accepting, speaking_llama  # noqa: E402,F401

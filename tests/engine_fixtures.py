@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_conversations
+from dflash_train.engine.vllm_process import lookup_plugin_missing
 from shared_once import build_once
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,3 +97,31 @@ def _train(speaking_llama: Path, root: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     r = cli("export", str(run), "--out", str(root / "export"))
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+# the served run the engine tests share: one serve-bench of the accepting export on PROMPTS at k 3
+SERVED_TOKENS = 24
+SERVED_METHODS = ("plain", "ngram", "dflash", "dflash+lookup", "dflash+lookup@1")
+
+
+@pytest.fixture(scope="session")
+def served_accepting(accepting_export, tmp_path_factory) -> dict:
+    """serve-bench's JSON for the accepting export on its PROMPTS (4 x SERVED_TOKENS tokens, k 3),
+    every method of SERVED_METHODS in one worker job: the main engine test (plain / n-gram / DFlash),
+    the lookup row tests and the gate-vs-replay test read the same engines instead of starting
+    their own (one run per test run, shared by the xdist workers)."""
+    acc = accepting_export
+
+    def serve(root: Path) -> None:
+        prompts = root / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in acc.prompts))
+        args = ["serve-bench", str(acc.export), "--target", str(acc.target), "--prompts", str(prompts),
+                "--num-prompts", str(len(acc.prompts)), "--max-new-tokens", str(SERVED_TOKENS), "--json"]
+        # the lookup rows need the plugin (make vllm installs it; its tests skip, and fail in CI, without)
+        for m in SERVED_METHODS if not lookup_plugin_missing() else SERVED_METHODS[:3]:
+            args += ["--method", m]
+        r = cli(*args)
+        assert r.returncode == 0, r.stderr[-3000:]
+        (root / "served.json").write_text(r.stdout)
+
+    return json.loads((build_once(tmp_path_factory, "served-accepting", serve) / "served.json").read_text())

@@ -33,6 +33,7 @@ from dflash_train.report import explanation, suite_lines
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "plugins" / "vllm_dflash_lookup"))
 from vllm_dflash_lookup.proposal import lookup  # noqa: E402  (the plugin's rule: what the engine gates with)
+from engine_fixtures import SERVED_METHODS, SERVED_TOKENS  # noqa: E402
 from test_vllm_lookup_plugin import needs_vllm  # noqa: E402
 
 K = 3  # the accepting export's block of 4 - 1
@@ -59,19 +60,17 @@ def setup(accepting_export, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(setup):
-    target, export, prompts, prompts_path = setup
-    r = cli("serve-bench", str(export), "--target", str(target), "--prompts", str(prompts_path), "--num-prompts",
-            str(len(prompts)), "--max-new-tokens", str(MAX_NEW), "--json",
-            "--method", "plain", "--method", "dflash", "--method", LOOKUP, "--method", LOW)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout)
+def served(served_accepting):
+    """The engine run the engine tests share (tests/engine_fixtures.py: plain, n-gram, DFlash, the
+    default dflash+lookup and the gate at match >= 1, one worker job, MAX_NEW tokens at k 3)."""
+    assert SERVED_TOKENS == MAX_NEW and {LOOKUP, LOW} <= set(SERVED_METHODS)
+    return served_accepting
 
 
 @needs_vllm
 def test_lookup_row_lossless_and_acted(served):
     rows = {row["method"]: row for row in served["rows"]}
-    assert list(rows) == ["plain", "dflash", LOOKUP, LOW]
+    assert list(rows) == ["plain", "ngram", "dflash", LOOKUP, LOW]
     assert rows[LOOKUP]["label"] == "DFlash + lookup (vLLM)"
     # the worker's check: the plugin patched the engine's process with the default mode and threshold
     assert rows[LOOKUP]["lookup"]["mode"] == LOOKUP_MODE and rows[LOOKUP]["lookup"]["min_match"] == LOOKUP_MIN_MATCH
