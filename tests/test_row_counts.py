@@ -131,7 +131,7 @@ _PEAK = "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); " \
 
 def test_training_start_does_not_grow_with_the_rows(tiny_target_dir, tmp_path):
     """`train` on 2,000 and on 32,000 rows of 1,024 tokens (26 MB and 420 MB of arrays), one step
-    with the vocab subset on: the same peak RSS within a few MB. A scan of the rows (the mask token
+    with the vocab subset on: the same peak RSS within tens of MB. A scan of the rows (the mask token
     check, the vocab subset, the step budget) would touch all 420 MB of mapped pages."""
     peak = {}
     for rows in (2_000, 32_000):
@@ -145,7 +145,10 @@ def test_training_start_does_not_grow_with_the_rows(tiny_target_dir, tmp_path):
         rc, kb = res.stdout.split()[-2:]
         assert rc == "0", res.stderr[-3000:]
         peak[rows] = int(kb) * 1024
-    assert peak[32_000] - peak[2_000] < 24 << 20, peak
+    # a scan touches the 420 MB of mapped rows (measured ~400 MB of growth with the old start-up); the
+    # start-up itself grows by 10-31 MB with 16x the rows (the order's permutation, allocator noise:
+    # 31 MB measured on a fresh clone), so the line is drawn at a quarter of what a scan costs
+    assert peak[32_000] - peak[2_000] < 100 << 20, peak
 
 
 def test_a_prepared_directory_without_its_counts_is_one_line(prepared, tmp_path):
