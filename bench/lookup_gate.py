@@ -49,8 +49,12 @@ def ranked(res: dict) -> list[dict]:
             n = sum(x["new_tokens"] for x in same)
             secs = sum(x["seconds"] for x in same)
             prompts = sum(g["num_prompts"] for g in suites)
-            acc = sum(x["accepted_tokens"] for x in same)
-            rows.append({**r, "new_tokens": n, "seconds": secs, "accepted_tokens": acc,
+            # tau from the accepted tokens the outputs kept (the raw counter also counts drafts cut at
+            # max_tokens: docs/benchmarks.md "The engine's tau"), as serve-bench's own rows
+            kept = [x.get("accepted_in_output") for x in same]
+            acc = sum(kept) if all(v is not None for v in kept) else sum(x["accepted_tokens"] for x in same)
+            rows.append({**r, "new_tokens": n, "seconds": secs, "accepted_in_output": acc,
+                         "accepted_tokens": sum(x["accepted_tokens"] for x in same),
                          "tokens_per_s": n / secs if secs else None,
                          "tau": (n - prompts) / (n - prompts - acc) if n - prompts - acc > 0 else None,
                          "lossless": all(x["lossless"] is not False for x in same)})
