@@ -16,7 +16,6 @@ None of the hooks changes what the peer computes: they time, count and stop.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time

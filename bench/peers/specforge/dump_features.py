@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     n = tokens = 0
-    for i, (row, feats) in enumerate(iter_hidden_states(a.target, rows, [HF_INDEX])):
+    stats: dict = {}
+    for i, (row, feats) in enumerate(iter_hidden_states(a.target, rows, [HF_INDEX], stats=stats)):
         ids = torch.tensor(row["input_ids"], dtype=torch.long)
         mask = torch.tensor(row["loss_mask"], dtype=torch.long)
         hs = feats[:, 0, :].contiguous()  # [seq, hidden]
@@ -46,8 +48,9 @@ def main() -> None:
         n += 1
         tokens += int(ids.numel())
     dt = time.perf_counter() - t0
+    ru = resource.getrusage(resource.RUSAGE_SELF)
     info = {"rows": n, "tokens": tokens, "seconds": dt, "hf_index": HF_INDEX, "layer_id": LAYER_ID,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "cpu_s": ru.ru_utime + ru.ru_stime, **stats}
     (out / "dump.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -33,15 +34,18 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("DUMP_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))))
     t0 = time.perf_counter()
     n_tok = 0
+    stats: dict = {}
     for row, feats in iter_hidden_states(target, rows, hf_indices=aux_ids, prenorm_last=True,
-                                         dtype=torch.float32):
+                                         dtype=torch.float32, stats=stats):
         ids = torch.tensor(row["input_ids"], dtype=torch.long)
         assert feats.shape == (ids.numel(), len(aux_ids) + 1, feats.shape[-1]), feats.shape
         save_file({"hidden_states": feats.contiguous(), "token_ids": ids},
                   str(out / f"hs_{row['idx']}.safetensors"))
         n_tok += ids.numel()
     dt = time.perf_counter() - t0
-    print(json.dumps({"rows": len(rows), "tokens": n_tok, "seconds": dt}))
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    print(json.dumps({"rows": len(rows), "tokens": n_tok, "seconds": dt, "cpu_s": ru.ru_utime + ru.ru_stime,
+                      "threads": torch.get_num_threads(), **stats}))
 
 
 if __name__ == "__main__":

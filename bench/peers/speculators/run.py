@@ -91,6 +91,7 @@ def main() -> None:
             result["data_prep_seconds"] = marker["data_prep_seconds"]
             result["feature_dump_seconds"] = marker["feature_dump_seconds"]
             result["data_reused_from"] = str(prep)
+            result["feature_dump"] = marker.get("feature_dump")
         else:
             prep = out / "data"
             work = out / "work"
@@ -121,10 +122,13 @@ def main() -> None:
             result["feature_dump_seconds"] = sh(
                 [str(PROJECT_PY), str(HERE / "dump_features.py"), target, str(work / "order.jsonl"),
                  str(prep / "hidden_states"), str(AUX_ID)], logs / "dump_features.log", denv)
+            # the dumper's own last line: rows, tokens, seconds, CPU seconds, decoder layers run
+            dump_out = [ln for ln in (logs / "dump_features.log").read_text().splitlines() if ln.startswith("{")]
+            result["feature_dump"] = json.loads(dump_out[-1]) if dump_out else None
             (prep / "features.complete").write_text(json.dumps({
                 "train_jsonl_sha256_16": digest, "rows": len(ds), "aux_ids": [AUX_ID], "prenorm_last": True,
                 "data_prep_seconds": result["data_prep_seconds"],
-                "feature_dump_seconds": result["feature_dump_seconds"]}))
+                "feature_dump_seconds": result["feature_dump_seconds"], "feature_dump": result["feature_dump"]}))
         write()
 
         # ---- 3. train -------------------------------------------------------------------------------------------
