@@ -128,6 +128,12 @@ def test_bench_gives_every_trainer_one_core_one_thread_and_one_horizon_rule(tmp_
     # the measured pace (training clock / steps) is what later runs' horizons are set from
     assert json.loads((a.out / "pace.json").read_text())["dflash-train"] in {
         harness.measured_pace(runs[f"dflash-train/seconds/s{s}"]) for s in (0, 1)}
+    # a second bench over the same OUT resumes: the rows as written, no trainer started again
+    monkeypatch.setattr(harness, "run_pinned", lambda *a, **k: pytest.fail("ran a finished run again"))
+    assert json.loads(json.dumps(b.seconds_stage(vs), default=str)) == json.loads(json.dumps(runs, default=str))
+    monkeypatch.undo()
+    for name in bench.TRAINERS:
+        monkeypatch.setitem(bench.TRAINERS, name, [sys.executable, str(fake)])
     # the tokens budget: the fewest predictions of a common row at seed 0, the same for every seed
     budget, tok = b.tokens_stage(vs, runs)
     assert budget == min(r["supervised_tokens"] for k, r in runs.items() if k.endswith("/s0") and "peerdefaults" not in k)

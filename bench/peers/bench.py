@@ -4,7 +4,7 @@
     .venv/bin/python bench/peers/bench.py --out runs/peers48 [--limit 800] [--seconds 600]
         [--seeds 0 1 2 3] [--trainers dflash-train,speculators,specforge,modelopt] [--parallel 2]
         [--peer-defaults] [--budgets seconds,tokens] [--k 3] [--num-prompts 64] [--mtbench 8]
-        [--humaneval 8] [--max-new-tokens 64] [--dry-run]
+        [--humaneval 8] [--max-new-tokens 64] [--no-judge] [--dry-run]
 
 (`make peers-bench` runs it with the recorded budget; docs/peers-harness.md says why each rule is
 what it is.) Steps, each skipped when its output exists (a killed run resumes where it stopped):
@@ -70,7 +70,7 @@ STEP_SECONDS = {"dflash-train": 0.46, "dflash-train-vs0": 2.9, "speculators": 2.
 PEER_DEFAULT_FLAGS = {"modelopt": ["--seq-len", "192"]}
 # the estimate of --dry-run (seconds): a run's start-up + export, an engine start, judge tok/s on one core
 RUN_OVERHEAD_S, ENGINE_START_S, JUDGE_TOKENS_PER_S = 90.0, 60.0, 17.0
-DUMP_S = {"dflash-train": 120.0, "speculators": 510.0, "specforge": 280.0, "modelopt": 0.0}
+DUMP_S = {"dflash-train": 200.0, "speculators": 510.0, "specforge": 280.0, "modelopt": 0.0}
 
 
 def variants(trainers: list[str], peer_defaults: bool, ours_full_loss: bool = True) -> list[dict]:
@@ -125,9 +125,9 @@ class Bench:
 
     def run(self, v: dict, run: Path, seed: int, steps: int | None, seconds: float | None) -> dict:
         """One pinned trainer run; its result.json plus the harness's measurement ("harness")."""
-        res_file = run / "result.json"
-        if res_file.is_file() and (run / "harness.json").is_file():
-            return dict(json.loads(res_file.read_text()), harness=json.loads((run / "harness.json").read_text()))
+        res_file, done = run / "result.json", run / "bench.json"
+        if done.is_file():  # finished before (a resumed bench): the row as it was written
+            return json.loads(done.read_text())
         cmd = train_command(v, self.data, run, seed, steps, seconds, self.features.get(v["trainer"]))
         with self.pool.core() as core:
             m = harness.run_pinned(cmd, run.parent / f"{run.name}.log", core, threads=1)
@@ -142,6 +142,8 @@ class Bench:
             r["train_time_v"] = tv
         if seconds and harness.stopped_early(r, seconds):
             r["stopped_early"] = f"training ended at {r.get('train_seconds') or 0:.0f} s of {seconds:g} s"
+        if not r.get("error"):  # a failed run is run again by the next bench
+            done.write_text(json.dumps(r, indent=1, default=str) + "\n")
         pace = harness.measured_pace(r)
         if seconds and pace and not r.get("error"):
             self.pace[v["tag"]] = pace
@@ -277,7 +279,8 @@ class Bench:
         runs = self.seconds_stage(vs) if "seconds" in a.budgets else {}
         budget, tok = self.tokens_stage(vs, runs) if "tokens" in a.budgets else (None, {})
         runs.update(tok)
-        judged = self.judge(self.exports(runs))
+        exports = self.exports(runs)  # (cheap: the draft vocabulary added where an export has none)
+        judged = {"rows": []} if a.no_judge else self.judge(exports)
         table = build_table(runs, judged, a.k, budget, feats)
         (self.out / "table.json").write_text(json.dumps({"runs": runs, "features": feats, "judge": judged,
                                                          "tokens_budget": budget, "args": vars(a)},
@@ -326,7 +329,8 @@ def estimate(vs: list[dict], a) -> str:
     exports = 2 * trainings
     prompts = a.num_prompts + a.mtbench + a.humaneval
     per_method = prompts * 0.85 * a.max_new_tokens / JUDGE_TOKENS_PER_S
-    judge = (3 * per_method + ENGINE_START_S * 3) + exports * len(a.k) * (per_method + ENGINE_START_S) / par
+    judge = 0.0 if a.no_judge else \
+        (3 * per_method + ENGINE_START_S * 3) + exports * len(a.k) * (per_method + ENGINE_START_S) / par
     total = dump + sec + tok + judge
     lines = [f"plan: {len(vs)} variants x {n_seeds} seeds x {len(a.budgets)} budget(s) = {trainings} trainings, "
              f"{exports} exports x k {a.k} judged on {prompts} prompts (<= {a.max_new_tokens} tokens), "
@@ -440,6 +444,9 @@ def parse(argv=None):
     ap.add_argument("--mtbench", type=int, default=8)
     ap.add_argument("--humaneval", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--no-judge", action="store_true",
+                    help="train only (a session too short for the whole table: a later call over the same --out "
+                         "resumes every finished run and judges)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and its time estimate, run nothing")
     a = ap.parse_args(argv)
     a.trainers = [n.strip() for n in a.trainers.split(",") if n.strip()]
