@@ -354,3 +354,40 @@ def test_draft_vocab_on_a_speculators_layout_config(tmp_path):
     assert c["draft_vocab_size"] == 3 and c["speculators_model_type"] == "dflash"
     assert w["d2t"].tolist() == [1, 6, 47] and torch.equal(w["lm_head.weight"], head[[1, 7, 49]])
     assert (tmp_path / "dv" / "config.py").read_text() == "# kept\n"
+
+
+# ----------------------------------------------------------------------------- the judge
+
+
+def test_judge_prompts_and_groups(tmp_path, tiny_target_dir):
+    """The judge's prompts: `make demo`'s held-out ones (of the run's source conversations, never more
+    than asked or than there are), then MT-Bench's first turns and HumanEval, in the target's chat format; tau per group from the worker's per-prompt
+    counters, lossless against the base plain outputs."""
+    from conftest import write_tiny_jsonl
+    from dflash_train.config import load_config, save_config
+    from judge import group_rows, judge_prompts
+
+    cfg = load_config(REPO / "configs" / "cpu-demo.yaml", [f"target.path={tiny_target_dir}"])
+    save_config(cfg, tmp_path / "cfg.yaml")
+    conv = write_tiny_jsonl(tmp_path / "regenerated.jsonl", n=200)
+    (tmp_path / "data.json").write_text(json.dumps({"regenerated": str(conv)}))
+    _, p = judge_prompts(tmp_path, 64, 3, 2, config=tmp_path / "cfg.yaml")
+    n = p["counts"]["heldout"]
+    assert 0 < n <= 64 and p["counts"]["mtbench"] == 3 and p["counts"]["humaneval"] == 2
+    assert p["groups"] == ["heldout"] * n + ["mtbench"] * 3 + ["humaneval"] * 2 and len(p["ids"]) == n + 5
+    assert p["asked"]["heldout"] == 64 and all(isinstance(i, int) for ids in p["ids"] for i in ids)
+
+    groups = ["heldout", "heldout", "mtbench", "humaneval"]
+    outs = [[1, 2, 3, 4], [5, 6, 7], [8, 9], [10, 11, 12]]
+    per = [{"seconds": 1.0, "spec_decode_num_drafts": d, "spec_decode_num_draft_tokens": 3 * d,
+            "spec_decode_num_accepted_tokens": a, "accepted_in_output": a} for d, a in ((2, 1), (1, 0), (1, 1), (1, 0))]
+    dflash = {"name": "dflash", "k": 3, "outputs": outs, "per_prompt": per, "seconds": 4.0, "load_seconds": 1.0,
+              **{c: sum(x[c] for x in per) for c in per[0] if c.startswith("spec_")},
+              "accepted_in_output": 2}
+    rows = group_rows([dflash], groups, outs, {"trainer": "x"})
+    by = {r["group"]: r for r in rows}
+    assert set(by) == {"all", "heldout", "mtbench", "humaneval"} and all(r["lossless"] for r in rows)
+    # tau = new tokens / verify steps (new = output tokens - one prompt token each, as summarise counts)
+    assert by["heldout"]["tau"] == pytest.approx((4 + 3 - 2) / (4 + 3 - 2 - 1))
+    assert by["mtbench"]["prompts"] == 1 and by["all"]["prompts"] == 4
+    assert not group_rows([dflash], groups, [o[:-1] for o in outs], {})[0]["lossless"]
