@@ -178,34 +178,98 @@ def test_table_shows_every_seed_and_the_spread():
 # ----------------------------------------------------------------------------- the documents
 
 
-def test_peer_documents_equal_ours_token_for_token(tmp_path, tiny_target_dir):
-    """bench/peers/data.py's train.jsonl (what every peer reads) and the documents dflash-train
-    packs from the overrides ours/run.py gives it: the same multiset of (input_ids, loss_mask)."""
+@pytest.fixture(scope="module")
+def peer_data(tmp_path_factory, tiny_target_factory):
+    """(tiny target dir, bench/peers/data.py's output dir, the run config file) on 60 conversations
+    cut at 48 tokens (so some documents are later pieces of a cut conversation)."""
     from conftest import write_tiny_jsonl
     from data import write_peer_data
     from dflash_train.config import load_config, save_config
+
+    tmp = tmp_path_factory.mktemp("peer_data")
+    target = tiny_target_factory("qwen3")
+    cfg = load_config(REPO / "configs" / "cpu-demo.yaml",
+                      [f"target.path={target}", f"data.cache_dir={tmp / 'cache'}", "data.max_tokens=48"])
+    save_config(cfg, tmp / "cfg.yaml")
+    conv = write_tiny_jsonl(tmp / "regenerated.jsonl", n=60)
+    counts = write_peer_data(conv, tmp / "d", tmp / "cfg.yaml", limit=50)
+    (tmp / "d" / "target_dir.txt").write_text(str(target) + "\n")
+    assert counts["train_documents"] > 20
+    return target, tmp / "d", tmp / "cfg.yaml"
+
+
+def _rows(d: Path) -> list[dict]:
+    return [json.loads(line) for line in (d / "train.jsonl").read_text().splitlines()]
+
+
+def test_peer_documents_equal_ours_token_for_token(peer_data):
+    """bench/peers/data.py's train.jsonl (what every peer reads) and the documents dflash-train
+    packs from the overrides ours/run.py gives it: the same multiset of (input_ids, loss_mask)."""
+    from dflash_train.config import load_config
     from dflash_train.data.prepare import load_prepared
     from dflash_train.targets import load_tokenizer
 
-    cfg = load_config(REPO / "configs" / "cpu-demo.yaml",
-                      [f"target.path={tiny_target_dir}", f"data.cache_dir={tmp_path / 'cache'}", "data.max_tokens=48"])
-    save_config(cfg, tmp_path / "cfg.yaml")
-    conv = write_tiny_jsonl(tmp_path / "regenerated.jsonl", n=60)
-    counts = write_peer_data(conv, tmp_path / "d", tmp_path / "cfg.yaml", limit=50)
-    rows = [json.loads(line) for line in (tmp_path / "d" / "train.jsonl").read_text().splitlines()]
-    assert counts["train_documents"] == len(rows) > 20 and any(r["piece"] > 0 for r in rows)  # cut documents too
-    data = json.loads((tmp_path / "d" / "data.json").read_text())
-    ours = load_config(tmp_path / "cfg.yaml", _ours_run().train_overrides(data, 10, 0, 600, []))
+    _, d, cfg_file = peer_data
+    rows = _rows(d)
+    assert any(r["piece"] > 0 for r in rows)  # cut documents too
+    ours = load_config(cfg_file, _ours_run().train_overrides(json.loads((d / "data.json").read_text()), 10, 0, 600, []))
     tok, family = load_tokenizer(ours.target)
     prep = load_prepared(ours, tok, family)
     docs = []
     for r in range(prep.num_rows):
-        d = prep.document_ids[r]
-        for doc in sorted(set(d.tolist()) - {-1}):
-            sel = d == doc
+        ids = prep.document_ids[r]
+        for doc in sorted(set(ids.tolist()) - {-1}):
+            sel = ids == doc
             docs.append((prep.input_ids[r][sel].tolist(), prep.loss_mask[r][sel].int().tolist()))
     peer = [(r["input_ids"], r["loss_mask"]) for r in rows]
     assert sorted(map(repr, docs)) == sorted(map(repr, peer))
+
+
+def _module(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_peer_files_hold_the_documents_as_given(peer_data, tmp_path, monkeypatch):
+    """What the harness writes for each peer from train.jsonl, in the project venv: SpecForge's
+    .ckpt (input_ids, loss_mask, features of the captured layer), speculators' hs files (token_ids,
+    which its trainer checks against its dataset's input_ids) and ModelOpt's data file (the rows
+    its pretokenized collator batches): the same tokens and masks, row for row."""
+    from safetensors.torch import load_file
+
+    target, d, _ = peer_data
+    rows = _rows(d)[:12]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sf = _module(PEERS / "specforge" / "dump_features.py", "peers_sf_dump")
+    monkeypatch.setattr(sf, "HF_INDEX", 2)  # the tiny target has 4 layers (SmolLM2: 16 = layer 15's output)
+    monkeypatch.setattr(sys, "argv", ["x", "--train", str(tmp_path / "train.jsonl"), "--target", str(target),
+                                      "--out", str(tmp_path / "sf")])
+    sf.main()
+    info = json.loads((tmp_path / "sf" / "dump.json").read_text())
+    assert info["rows"] == len(rows) and info["layers_run"] == 2 and info["cpu_s"] > 0
+    for i, r in enumerate(rows):
+        f = torch.load(tmp_path / "sf" / f"f_{i:06d}.ckpt")
+        assert f["input_ids"].tolist() == r["input_ids"] and f["loss_mask"].tolist() == r["loss_mask"]
+        assert f["hidden_states"].shape == (len(r["input_ids"]), 64)
+
+    order = tmp_path / "order.jsonl"
+    order.write_text("".join(json.dumps({"idx": i, "input_ids": r["input_ids"]}) + "\n" for i, r in enumerate(rows)))
+    sp = _module(PEERS / "speculators" / "dump_features.py", "peers_sp_dump")
+    monkeypatch.setattr(sys, "argv", ["x", str(target), str(order), str(tmp_path / "sp"), "2"])
+    sp.main()
+    for i, r in enumerate(rows):
+        f = load_file(str(tmp_path / "sp" / f"hs_{i}.safetensors"))
+        assert f["token_ids"].tolist() == r["input_ids"] and f["hidden_states"].shape == (len(r["input_ids"]), 2, 64)
+
+    mo = _module(PEERS / "modelopt" / "run.py", "peers_mo_run")
+    (tmp_path / "mo").mkdir()
+    (tmp_path / "mo_in").mkdir()
+    (tmp_path / "mo_in" / "train.jsonl").write_text((tmp_path / "train.jsonl").read_text())
+    n, _, _ = mo.prep_data(tmp_path / "mo_in", tmp_path / "mo")
+    got = _rows(tmp_path / "mo" / "data")
+    assert n == len(rows) and [(g["input_ids"], g["loss_mask"]) for g in got] == [(r["input_ids"], r["loss_mask"]) for r in rows]
 
 
 # ----------------------------------------------------------------------------- the feature dumper
