@@ -12,11 +12,11 @@ what it is.) Steps, each skipped when its output exists (a killed run resumes wh
    vLLM) into OUT/data, then bench/peers/data.py: the documents of the first --limit
    conversations as OUT/d{limit}/train.jsonl (every trainer gets the same token ids; dflash-train
    gets data.limit and builds the same documents itself, tests/test_peers_harness.py checks it);
-2. features, once per trainer (all offline but ModelOpt, whose offline mode is not wired yet:
-   it runs its target in every step, inside its budget): dflash-train `precompute`, the shared
+2. features, once per trainer (every trainer offline): dflash-train `precompute`, the shared
    dumper bench/peers/features.py for speculators (all 30 layers: its labels are the target's
-   argmax) and SpecForge (stops after layer 15). Each dump runs pinned to one core; its wall and
-   CPU seconds are reported in every row that trains from it (charged to each, reused or not);
+   argmax), SpecForge and ModelOpt (stop after layer 15; ModelOpt's own defaults distil the
+   target's logits, so their dump runs all layers too). Each dump runs pinned to one core; its
+   wall and CPU seconds are reported in every row that trains from it (charged to each, reused or not);
 3. the same wall-clock: every variant (dflash-train's recipe; dflash-train at the peers' loss,
    train.vocab_subset=0; each peer with our recipe; --peer-defaults: each peer's own) trains
    --seconds of training for each seed, --parallel at a time, each on ONE core of its own
@@ -68,9 +68,11 @@ STEP_SECONDS = {"dflash-train": 0.46, "dflash-train-vs0": 2.9, "speculators": 2.
 # ModelOpt's own defaults at sequence length 192: at its 4,096 a step pads ~150 real tokens to 4,096
 # (~60 s, all of 600 s inside its 100 warmup steps): a cost of a default, not a recipe
 PEER_DEFAULT_FLAGS = {"modelopt": ["--seq-len", "192"]}
+# the trainers that train offline only when told (speculators and SpecForge always read dumps)
+OFFLINE_FLAGS = {"modelopt": ["--offline"]}
 # the estimate of --dry-run (seconds): a run's start-up + export, an engine start, judge tok/s on one core
 RUN_OVERHEAD_S, ENGINE_START_S, JUDGE_TOKENS_PER_S = 90.0, 60.0, 17.0
-DUMP_S = {"dflash-train": 200.0, "speculators": 510.0, "specforge": 280.0, "modelopt": 0.0}
+DUMP_S = {"dflash-train": 200.0, "speculators": 510.0, "specforge": 280.0, "modelopt": 280.0, "modelopt-kd": 510.0}
 
 
 def variants(trainers: list[str], peer_defaults: bool, ours_full_loss: bool = True) -> list[dict]:
@@ -84,11 +86,18 @@ def variants(trainers: list[str], peer_defaults: bool, ours_full_loss: bool = Tr
                 out.append({"tag": n + "-vs0", "trainer": n, "flags": ["--offline", "--set", "train.vocab_subset=0"],
                             "common": True})
         else:
-            out.append({"tag": n, "trainer": n, "flags": [], "common": True})
+            out.append({"tag": n, "trainer": n, "flags": list(OFFLINE_FLAGS.get(n, [])), "common": True})
     if peer_defaults:
-        out += [{"tag": n + "-peerdefaults", "trainer": n, "flags": ["--peer-defaults"] + PEER_DEFAULT_FLAGS.get(n, []),
-                 "common": False} for n in trainers if n != "dflash-train"]
+        out += [{"tag": n + "-peerdefaults", "trainer": n, "common": False,
+                 "flags": ["--peer-defaults"] + PEER_DEFAULT_FLAGS.get(n, []) + OFFLINE_FLAGS.get(n, [])}
+                for n in trainers if n != "dflash-train"]
     return out
+
+
+def feature_key(v: dict) -> str:
+    """Which dump a variant trains from: one per trainer, ModelOpt's own defaults apart (their KD
+    loss reads the target's last layer as well)."""
+    return "modelopt-kd" if v["trainer"] == "modelopt" and "--peer-defaults" in v["flags"] else v["trainer"]
 
 
 def train_command(v: dict, data: Path, run: Path, seed: int, steps: int | None, seconds: float | None,
@@ -99,14 +108,15 @@ def train_command(v: dict, data: Path, run: Path, seed: int, steps: int | None, 
     cmd += ["--steps", str(steps)] if steps else []
     cmd += ["--seconds", f"{seconds:g}"] if seconds else []
     if features is not None:
-        cmd += {"dflash-train": ["--features"], "speculators": ["--reuse-data"], "specforge": ["--features"]}[v["trainer"]] \
-            + [str(features)]
+        cmd += {"dflash-train": ["--features"], "speculators": ["--reuse-data"], "specforge": ["--features"],
+                "modelopt": ["--features"]}[v["trainer"]] + [str(features)]
     return cmd
 
 
 def features_of(trainer: str, run: Path) -> Path | None:
     """Where a finished run of `trainer` left the features later runs reuse."""
-    p = {"dflash-train": run / "features", "speculators": run / "data", "specforge": run / "features"}.get(trainer)
+    p = {"dflash-train": run / "features", "speculators": run / "data", "specforge": run / "features",
+         "modelopt": run / "features"}.get(trainer)
     return p if p is not None and p.is_dir() else None
 
 
@@ -128,7 +138,7 @@ class Bench:
         res_file, done = run / "result.json", run / "bench.json"
         if done.is_file():  # finished before (a resumed bench): the row as it was written
             return json.loads(done.read_text())
-        cmd = train_command(v, self.data, run, seed, steps, seconds, self.features.get(v["trainer"]))
+        cmd = train_command(v, self.data, run, seed, steps, seconds, self.features.get(feature_key(v)))
         with self.pool.core() as core:
             m = harness.run_pinned(cmd, run.parent / f"{run.name}.log", core, threads=1)
         run.mkdir(parents=True, exist_ok=True)
@@ -151,16 +161,17 @@ class Bench:
         return r
 
     def features_stage(self, vs: list[dict]) -> dict[str, dict]:
-        """One feature dump per trainer that trains offline: a 1-step run that writes them, pinned."""
-        todo = [v for v in vs if v["tag"] in ("dflash-train", "speculators", "specforge")]
+        """One feature dump per trainer (and per feature_key): a 1-step run that writes them, pinned."""
+        todo = list({feature_key(v): v for v in reversed(vs)}.values())[::-1]  # the first variant of each key
 
         def one(v):
-            run = self.out / "features" / v["trainer"]
+            key = feature_key(v)
+            run = self.out / "features" / key
             r = self.run(v, run, 0, 1, None)
             f = features_of(v["trainer"], run)
             if f is not None:
-                self.features[v["trainer"]] = f
-            return v["trainer"], r
+                self.features[key] = f
+            return key, r
 
         with ThreadPoolExecutor(len(self.cores)) as ex:
             return dict(ex.map(one, todo))
@@ -318,7 +329,7 @@ def ensure_data(out: Path, limit: int) -> Path:
 def estimate(vs: list[dict], a) -> str:
     """Wall-clock of the whole table on len(cores) = --parallel cores (--dry-run)."""
     n_seeds, par = len(a.seeds), a.parallel
-    dump = sum(DUMP_S.get(t, 0.0) + RUN_OVERHEAD_S for t in {v["trainer"] for v in vs}) / par
+    dump = sum(DUMP_S.get(t, 0.0) + RUN_OVERHEAD_S for t in {feature_key(v) for v in vs}) / par
     sec = len(vs) * n_seeds * (a.seconds + RUN_OVERHEAD_S) / par if "seconds" in a.budgets else 0.0
     # the tokens budget: ~ModelOpt's reach (the slowest); the others' share of it at their pace (issue 36's
     # 67.8K run: ours 141 s, ours vs0 302 s, speculators 263 s, SpecForge 309 s, ModelOpt = its seconds run)

@@ -12,6 +12,11 @@
    online features: no feature dump) with /usr/bin/time -v -> OUT_DIR/ckpt
 3. export: vendored scripts/export_hf_checkpoint.py -> OUT_DIR/export (z-lab DFlash dir for vLLM)
 4. OUT_DIR/result.json
+
+--offline (issue 48: every trainer offline, one dumper): step 2 trains from OUT_DIR/features (or
+--features DIR), written first by dump_features.py in the project venv (its time and CPU seconds as
+feature_dump_seconds / feature_dump_cpu_seconds); the trainer then loads the target without its
+decoder layers (ModelOpt's offline path). Format read from the 0.47.0 wheel, not yet run here.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+MAIN_PY = Path(__file__).resolve().parents[3] / ".venv" / "bin" / "python"
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -45,6 +52,11 @@ def parse():
                    help="training_seq_len (pad target); default 192 (ours), 4096 with --peer-defaults")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     p.add_argument("--data-mode", choices=("pretokenized", "template"), default="pretokenized")
+    p.add_argument("--offline", action="store_true",
+                   help="train from features dumped by the shared dumper (dump_features.py: layer 15; with "
+                        "--peer-defaults also the last layer for its KD loss) instead of running the target "
+                        "every step: data.offline_data_path, ModelOpt's own offline mode")
+    p.add_argument("--features", type=Path, default=None, help="with --offline: reuse this finished dump")
     p.add_argument("--keep-rope-bug", action="store_true",
                    help="do not pin the draft RoPE to the target's (ModelOpt then trains at theta 10000)")
     p.add_argument("--logging-steps", type=int, default=10)
@@ -113,7 +125,7 @@ def overrides(a, tdir: str, out: Path, seq_len: int) -> list[str]:
         arch["rope_parameters"] = {"rope_theta": 100000.0, "rope_type": "default"}
     o = [
         f"model.model_name_or_path={tdir}",
-        f"data.data_path={out / 'data' / 'train.jsonl'}",
+        (f"data.offline_data_path={a.features_dir}" if a.offline else f"data.data_path={out / 'data' / 'train.jsonl'}"),
         f"data.chat_template={HERE / 'smollm2_generation.jinja'}",
         f"training.output_dir={out / 'ckpt'}",
         f"training.training_seq_len={seq_len}",
@@ -175,11 +187,31 @@ def main():
     if result["longest_row"] > seq_len:
         print(f"note: rows up to {result['longest_row']} tokens are truncated to training_seq_len={seq_len}")
 
+    if a.offline:
+        kd = bool(a.peer_defaults)  # ModelOpt's own loss distils the target's logits: the last layer too
+        if a.features is not None:
+            a.features_dir = a.features.resolve()
+            result["feature_dump_reused"] = str(a.features_dir)
+        else:
+            a.features_dir = out / "features"
+            cmd = [str(MAIN_PY), str(HERE / "dump_features.py"), "--train", str(out / "data" / "train.jsonl"),
+                   "--target", tdir, "--out", str(a.features_dir), "--layer", str(TARGET_LAYER)] + (["--kd"] if kd else [])
+            with (out / "dump.log").open("w") as log:
+                q = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS=str(a.threads)), stdout=log,
+                                   stderr=subprocess.STDOUT)
+            if q.returncode != 0:
+                raise SystemExit(f"feature dump failed (see {out / 'dump.log'})")
+        dump = json.loads((a.features_dir / "dump.json").read_text())
+        if dump.get("kd") != kd:
+            raise SystemExit(f"{a.features_dir}: dumped with kd={dump.get('kd')}, this run needs kd={kd}")
+        result.update(feature_dump=dump, feature_dump_seconds=dump["seconds"], feature_dump_cpu_seconds=dump["cpu_s"],
+                      feature_dump_how="the shared dumper (bench/peers/features.py), stopping after layer 15"
+                                       + (" (all layers: the KD loss needs the target's last layer)" if kd else ""))
     stats_path = out / "train_stats.json"
     ov = overrides(a, tdir, out, seq_len)
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads),
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    cmd = ["/usr/bin/time", "-v", py, str(HERE / "train_entry.py"), str(stats_path), a.data_mode,
+    cmd = ["/usr/bin/time", "-v", py, str(HERE / "train_entry.py"), str(stats_path), "offline" if a.offline else a.data_mode,
            str(a.seconds), "--config", str(recipe)] + ov
     result["train_command"] = " ".join(shlex.quote(x) for x in cmd)
     print("+", result["train_command"], flush=True)

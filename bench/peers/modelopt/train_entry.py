@@ -6,6 +6,7 @@ measuring hooks and the few CPU/parity patches listed in NOTES.md. Called by run
 STATS_JSON   where the measurements go (train seconds, steps, supervised tokens, peak RSS)
 DATA_MODE    "pretokenized": batches built from the rows' own input_ids/loss_mask (exact same
              tokens as our trainer, also for the cut pieces of long conversations);
+             "offline": ModelOpt's offline dataset over the .pt dumps of dump_features.py (the same rows);
              "template": ModelOpt's own LanguageDataCollator rendering "messages" with the
              {% generation %} chat template (only equal for uncut documents)
 SECONDS      0 = no time cap, else stop at the first step boundary past it (training time)
@@ -102,7 +103,7 @@ if data_mode == "pretokenized":
         return {"train_dataset": ds, "data_collator": PretokenizedCollator(tokenizer, train_len)}
 
     mo_main.make_speculative_data_module = _make_pretokenized
-elif data_mode != "template":
+elif data_mode not in ("template", "offline"):  # offline: ModelOpt's own offline dataset (data.offline_data_path)
     raise SystemExit(f"unknown DATA_MODE {data_mode!r}")
 
 
@@ -111,7 +112,8 @@ class Measure(transformers.TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kw):
         self.t0 = time.perf_counter()
         m = model
-        STATS["target_dtype"] = str(next(m._base_model.layers[0].parameters()).dtype)
+        layers = getattr(m._base_model, "layers", None)  # offline: ModelOpt drops the decoder layers
+        STATS["target_dtype"] = str(next((layers[0] if layers else m._base_model_lm_head).parameters()).dtype)
         STATS["draft_dtype"] = str(next(m.dflash_module.parameters()).dtype)
         STATS["draft_config"] = {k: getattr(m.dflash_config, k, None) for k in (
             "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
