@@ -207,6 +207,7 @@ class Bench:
     def exports(self, runs: dict[str, dict]) -> dict[str, Path]:
         """{"TAG/BUDGET/sSEED/full|dv": export dir}: each training served over the whole vocabulary
         and over the one draft vocabulary (draft_vocab.py adds it where the export has none)."""
+        import torch
         from draft_vocab import add_draft_vocab, draft_vocab_ids, target_lm_head
 
         dirs = {}
@@ -227,7 +228,7 @@ class Bench:
         ids = draft_vocab_ids(ref)
         (self.out / "draft_vocab.json").write_text(json.dumps({"from": str(ref), "ids": ids.tolist()}) + "\n")
         for k, d in list(dirs.items()):
-            if k.endswith("/dv") and not bool((draft_vocab_ids(d) == ids).all()):
+            if k.endswith("/dv") and not torch.equal(draft_vocab_ids(d), ids):
                 print(f"{k}: its draft vocabulary differs from {ref}'s (same data should give the same set)",
                       file=sys.stderr)
         head = None
