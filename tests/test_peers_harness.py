@@ -459,3 +459,49 @@ def test_judge_prompts_and_groups(tmp_path, tiny_target_dir):
     assert by["heldout"]["tau"] == pytest.approx((4 + 3 - 2) / (4 + 3 - 2 - 1))
     assert by["mtbench"]["prompts"] == 1 and by["all"]["prompts"] == 4
     assert not group_rows([dflash], groups, [o[:-1] for o in outs], {})[0]["lossless"]
+
+
+def test_bench_serves_every_training_both_ways(tmp_path, tiny_target_dir):
+    """Bench.exports: ours trained with the subset is served as exported (its draft vocabulary) and
+    over the whole vocabulary (export-full); every other export gets the draft vocabulary of ours
+    added (export-dv), the same ids for every row."""
+    from dataclasses import replace
+
+    from dflash_train.config import ModelConfig, TargetConfig
+    from dflash_train.export import write_export
+    from dflash_train.model import DFlashDrafter, DrafterConfig
+    from dflash_train.serving_check import target_facts
+    from dflash_train.targets import load_target
+
+    t = load_target(TargetConfig(path=str(tiny_target_dir), device="cpu", dtype="float32"))
+    facts = target_facts(str(tiny_target_dir))
+    cfg = DrafterConfig.from_target(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1]), t)
+    ids = torch.tensor([2, 5, 9, 40, 100])
+    a = bench.parse(["--out", str(tmp_path / "out"), "--seconds", "60", "--parallel", "1"])
+    b = bench.Bench(a)
+    b.data = tmp_path / "data"
+    b.data.mkdir()
+    (b.data / "target_dir.txt").write_text(f"{tiny_target_dir}\n")
+    b.sec_dir, b.tok_dir = a.out / "s60", a.out / "s60-tokens"
+    runs = {}
+    for tag in ("dflash-train", "dflash-train-vs0", "speculators"):
+        run = b.sec_dir / tag / "seed0"
+        if tag == "dflash-train":
+            dv = DFlashDrafter(replace(cfg, draft_vocab_size=len(ids)), seed=0)
+            dv.draft_vocab.copy_(ids)
+            write_export(dv.cfg, dv.state_dict(), run / "export", target=facts, lm_head_weight=t.lm_head_weight)
+            write_export(cfg, DFlashDrafter(cfg, seed=0).state_dict(), run / "export-full", target=facts)
+        else:
+            write_export(cfg, DFlashDrafter(cfg, seed=1).state_dict(), run / "export", target=facts)
+        runs[f"{tag}/seconds/s0"] = {"steps": 1}
+    runs["specforge/seconds/s0"] = {"error": "train: failed"}
+    dirs = b.exports(runs)
+    assert set(dirs) == {f"{t}/seconds/s0/{s}" for t in ("dflash-train", "dflash-train-vs0", "speculators")
+                         for s in ("full", "dv")}
+    assert dirs["dflash-train/seconds/s0/dv"].name == "export" and dirs["dflash-train/seconds/s0/full"].name == "export-full"
+    for k, d in dirs.items():
+        if k.endswith("/dv"):
+            assert draft_vocab.draft_vocab_ids(d).tolist() == ids.tolist(), k
+        else:
+            assert "draft_vocab_size" not in json.loads((d / "config.json").read_text()), k
+    assert json.loads((a.out / "draft_vocab.json").read_text())["ids"] == ids.tolist()
