@@ -164,6 +164,8 @@ def test_time_v_and_seed_stats():
     s = harness.seed_stats([1.1, 1.2, None, 1.15, 1.05])
     assert s["n"] == 4 and s["spread"] == pytest.approx(0.15) and s["mean"] == pytest.approx(1.125)
     assert harness.stopped_early({"train_seconds": 512}, 600) and not harness.stopped_early({"train_seconds": 601}, 600)
+    assert not harness.stopped_early({"train_seconds": 570, "stopped_by": "seconds"}, 600)
+    assert harness.stopped_early({"train_seconds": 570, "stopped_by": "steps"}, 600)
 
 
 def test_table_shows_every_seed_and_the_spread():

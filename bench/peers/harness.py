@@ -124,7 +124,11 @@ def horizon_steps(seconds: float, step_seconds: float, margin: float = HORIZON_M
 
 
 def stopped_early(result: dict, seconds: float) -> bool:
-    """A budgeted run that ended before its budget (its horizon or its data ran out first)."""
+    """A budgeted run that ended before its budget (its horizon or its data ran out first). A run
+    whose trainer says its clock stopped it (ours and speculators: stopped_by "seconds"; SpecForge:
+    time_budget_hit) did not, whatever its own count of training seconds."""
+    if result.get("stopped_by") == "seconds" or result.get("time_budget_hit"):
+        return False
     t = result.get("train_seconds")
     return bool(seconds) and t is not None and t < EARLY * seconds
 
