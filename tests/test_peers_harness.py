@@ -103,6 +103,9 @@ def test_bench_gives_every_trainer_one_core_one_thread_and_one_horizon_rule(tmp_
     vs = bench.variants(a.trainers, a.peer_defaults)
     assert {v["tag"] for v in vs} == {"dflash-train", "dflash-train-vs0", "modelopt", "modelopt-peerdefaults"}
     assert next(v for v in vs if v["tag"] == "dflash-train-vs0")["flags"][-2:] == ["--set", "train.vocab_subset=0"]
+    calib = b.calibrate_stage(vs)  # every variant's pace, measured pinned before the budgeted runs
+    assert set(calib) == {v["tag"] for v in vs} and all(r["horizon"] == bench.CALIBRATION_HORIZON for r in calib.values())
+    assert all(b.pace[t] == pytest.approx(harness.measured_pace(r)) for t, r in calib.items())
     runs = b.seconds_stage(vs)
     assert len(runs) == len(vs) * 2
     for key, r in runs.items():
@@ -111,8 +114,8 @@ def test_bench_gives_every_trainer_one_core_one_thread_and_one_horizon_rule(tmp_
         assert r["affinity"] == [h["core"]] and h["core"] in b.cores, key  # one core, the pool's
         assert r["omp"] == "1" and r["argv"][r["argv"].index("--threads") + 1] == "1", key
         # one rule for every row: the horizon a quarter past the budget's reach at the pace known then
-        # (the table's until a seed of the variant has run, then the measured one)
-        allowed = {harness.horizon_steps(60, bench.STEP_SECONDS[tag])}
+        # (the calibration's until a seed of the variant has run, then that seed's)
+        allowed = {harness.horizon_steps(60, harness.measured_pace(calib[tag]))}
         if key.endswith("/s1"):
             allowed.add(harness.horizon_steps(60, harness.measured_pace(runs[key[:-1] + "0"])))
         assert r["horizon"] in allowed, key

@@ -21,9 +21,10 @@ what it is.) Steps, each skipped when its output exists (a killed run resumes wh
    train.vocab_subset=0; each peer with our recipe; --peer-defaults: each peer's own) trains
    --seconds of training for each seed, --parallel at a time, each on ONE core of its own
    (harness.run_pinned: taskset, 1 OMP thread, CPU seconds of its process tree beside the wall).
-   The LR horizon is `harness.horizon_steps` (the pace measured by this run's earlier seeds, else
-   STEP_SECONDS) x 1.25 for every row alike, so the clock ends each run; a run that stopped early
-   is flagged in the table;
+   The LR horizon is `harness.horizon_steps`: the steps the variant reaches in the budget at its
+   pace x 1.25, for every row alike, so the clock ends each run; the pace is measured first by a
+   --calibrate-second run of every variant, pinned as the real ones (OUT/calib, OUT/pace.json),
+   then by each finished seed; a run that stopped early is flagged in the table;
 4. the same supervised predictions: the fewest (anchor, block position) predictions any common
    variant made at seed 0 in step 3 is the budget; every variant trains for the steps that give
    it as many, at every seed (features reused);
@@ -70,6 +71,7 @@ STEP_SECONDS = {"dflash-train": 0.46, "dflash-train-vs0": 2.9, "speculators": 2.
 PEER_DEFAULT_FLAGS = {"modelopt": ["--seq-len", "192"]}
 # the trainers that train offline only when told (speculators and SpecForge always read dumps)
 OFFLINE_FLAGS = {"modelopt": ["--offline"]}
+CALIBRATION_HORIZON = 100000  # the calibration runs' horizon: never reached, the clock ends them
 # the estimate of --dry-run (seconds): a run's start-up + export, an engine start, judge tok/s on one core
 RUN_OVERHEAD_S, ENGINE_START_S, JUDGE_TOKENS_PER_S = 90.0, 60.0, 17.0
 DUMP_S = {"dflash-train": 200.0, "speculators": 510.0, "specforge": 280.0, "modelopt": 280.0, "modelopt-kd": 510.0}
@@ -175,6 +177,15 @@ class Bench:
 
         with ThreadPoolExecutor(len(self.cores)) as ex:
             return dict(ex.map(one, todo))
+
+    def calibrate_stage(self, vs: list[dict]) -> dict[str, dict]:
+        """Every variant trains --calibrate seconds (a horizon it never reaches), pinned and two at
+        a time as the budgeted runs will: its pace (training clock / steps) into OUT/pace.json."""
+        def one(v):
+            return v["tag"], self.run(v, self.out / "calib" / v["tag"], 0, CALIBRATION_HORIZON, self.a.calibrate)
+
+        with ThreadPoolExecutor(len(self.cores)) as ex:
+            return dict(ex.map(one, vs))
 
     def seconds_stage(self, vs: list[dict]) -> dict[str, dict]:
         jobs = sorted(((v, s) for v in vs for s in self.a.seeds), key=lambda j: j[1])  # every seed 0 first
@@ -288,13 +299,15 @@ class Bench:
         self.data = ensure_data(self.out, a.limit)
         self.sec_dir, self.tok_dir = self.out / f"s{a.seconds:g}", self.out / f"s{a.seconds:g}-tokens"
         feats = self.features_stage(vs)
+        calib = self.calibrate_stage(vs) if a.calibrate else {}
         runs = self.seconds_stage(vs) if "seconds" in a.budgets else {}
         budget, tok = self.tokens_stage(vs, runs) if "tokens" in a.budgets else (None, {})
         runs.update(tok)
         exports = self.exports(runs)  # (cheap: the draft vocabulary added where an export has none)
         judged = {"rows": []} if a.no_judge else self.judge(exports)
         table = build_table(runs, judged, a.k, budget, feats)
-        (self.out / "table.json").write_text(json.dumps({"runs": runs, "features": feats, "judge": judged,
+        (self.out / "table.json").write_text(json.dumps({"runs": runs, "features": feats, "calibration": calib,
+                                                         "pace": self.pace, "judge": judged,
                                                          "tokens_budget": budget, "args": vars(a)},
                                                         indent=1, default=str) + "\n")
         (self.out / "table.md").write_text(table)
@@ -332,6 +345,7 @@ def estimate(vs: list[dict], a) -> str:
     n_seeds, par = len(a.seeds), a.parallel
     dump = sum(DUMP_S.get(t, 0.0) + RUN_OVERHEAD_S for t in {feature_key(v) for v in vs}) / par
     sec = len(vs) * n_seeds * (a.seconds + RUN_OVERHEAD_S) / par if "seconds" in a.budgets else 0.0
+    sec += len(vs) * (a.calibrate + RUN_OVERHEAD_S) / par if a.calibrate else 0.0
     # the tokens budget: ~ModelOpt's reach (the slowest); the others' share of it at their pace (issue 36's
     # 67.8K run: ours 141 s, ours vs0 302 s, speculators 263 s, SpecForge 309 s, ModelOpt = its seconds run)
     frac = {"dflash-train": 0.25, "dflash-train-vs0": 0.5, "speculators": 0.45, "specforge": 0.5, "modelopt": 0.0}
@@ -450,6 +464,9 @@ def parse(argv=None):
     ap.add_argument("--peer-defaults", action="store_true", help="also each peer with its own defaults")
     ap.add_argument("--no-full-loss", action="store_true", help="leave out dflash-train at train.vocab_subset=0")
     ap.add_argument("--budgets", default="seconds,tokens", help="seconds, tokens or both")
+    ap.add_argument("--calibrate", type=float, default=60,
+                    help="seconds of training per variant to measure its pace before the budgeted runs (0: use "
+                         "STEP_SECONDS until a seed has run)")
     ap.add_argument("--k", type=int, nargs="+", default=[3],
                     help="draft tokens a step served (k 7 doubles the judge's time; issue 36 found k 3 and k 7 within 0.01)")
     ap.add_argument("--num-prompts", type=int, default=64, help="held-out prompts the judge reads")
