@@ -25,6 +25,7 @@ import contextlib
 import gc
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -317,7 +318,18 @@ def main(job_path: str, result_path: str) -> int:
     return 0 if "error" not in result else 1
 
 
+def _take_the_group_down(signum, frame) -> None:
+    """SIGTERM / SIGHUP (the caller stopped, or died: it starts us with PR_SET_PDEATHSIG): the engine
+    core and model workers vLLM forked or spawned share our process group (the caller starts us in a
+    session of our own); without this they outlive us and keep every core busy (seen: a demo stopped
+    in its data stage left two engine processes spinning for 17 minutes)."""
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
 if __name__ == "__main__":
+    if os.getpgrp() == os.getpid():  # our own group (run_worker's start_new_session): never a caller's
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _take_the_group_down)
     sys.exit(main(sys.argv[1], sys.argv[2]))
 elif __name__ == "__mp_main__":  # vLLM's engine core, spawned (the CPU platform spawns): its model is built here
     fix_dflash_context_k_norm()
