@@ -396,8 +396,6 @@ def build_table(runs: dict[str, dict], judged: dict, ks: list[int], budget: int 
     per_seed = []
     for row, members in groups.items():
         taus = {k: [by.get((name, k, "all"), {}).get("tau") for name, _ in members] for k in ks}
-        if not any(v is not None for vals in taus.values() for v in vals) and not any(r.get("error") for _, r in members):
-            continue
         cells = [row, str(len(members))]
         for k in ks:
             s = harness.seed_stats(taus[k])
