@@ -59,10 +59,12 @@ TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
-# the side-by-side table (issue 36): dflash-train, speculators, SpecForge and ModelOpt on the same
-# work, judged in vLLM; each peer in its own venv under .venv-peers/ (~2 h on 2 cores). Not part of make test.
+# the side-by-side table (issues 36, 48): dflash-train, speculators, SpecForge and ModelOpt on the same
+# work, each pinned to a core of its own, features dumped offline alike, 4 seeds, both servings (whole
+# vocabulary and one draft vocabulary), judged in vLLM; each peer in its own venv under .venv-peers/
+# (~9 h on 2 cores: docs/peers-harness.md has a plan that fits a shorter session). Not part of make test.
 peers-bench: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/python bench/peers/bench.py --out runs/peers --limit 800 --seconds 600 --parallel 2
+	$(BIN)/python bench/peers/bench.py --out runs/peers48 --limit 800 --seconds 600 --seeds 0 1 2 3 --parallel 2 --peer-defaults
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV)
