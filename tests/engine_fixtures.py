@@ -99,28 +99,41 @@ def _train(speaking_llama: Path, root: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-# the served run the engine tests share: one serve-bench of the accepting export on PROMPTS at k 3
+# the served run the engine tests share: one serve-bench of the accepting export at k 3 on PROMPTS and, in the
+# same engines (--prompts FILE --suite), the suites' first SUITE_PROMPTS_PER_SUITE items (MT-Bench's two turns)
 SERVED_TOKENS = 24
-SERVED_METHODS = ("plain", "ngram", "dflash", "dflash+lookup", "dflash+lookup@1")
+SERVED_SUITES = "mtbench,humaneval"
+# the plugin's engines first (seed, the default gate, the gate at a 1-token match), then plain, n-gram and
+# DFlash alone: those run after the plugin's engines, with CALLER_LOOKUP in serve-bench's own environment, so
+# a plugin that stayed patched or read the caller's DFLASH_LOOKUP would change DFlash's drafts (the engine
+# tests compare them with our replay of the drafter alone, step by step)
+SERVED_LOOKUP = ("dflash+lookup:seed", "dflash+lookup", "dflash+lookup@1")
+SERVED_BASE = ("plain", "ngram", "dflash")
+SERVED_METHODS = SERVED_LOOKUP + SERVED_BASE
+CALLER_LOOKUP = "seed"  # a user's DFLASH_LOOKUP that must reach no engine but the seed method's
 
 
 @pytest.fixture(scope="session")
 def served_accepting(accepting_export, tmp_path_factory) -> dict:
-    """serve-bench's JSON for the accepting export on its PROMPTS (4 x SERVED_TOKENS tokens, k 3),
-    every method of SERVED_METHODS in one worker job: the main engine test (plain / n-gram / DFlash),
-    the lookup row tests and the gate-vs-replay test read the same engines instead of starting
-    their own (one run per test run, shared by the xdist workers)."""
+    """serve-bench's JSON for the accepting export: its PROMPTS (4 x SERVED_TOKENS tokens, k 3; the rows
+    and outputs at the top) and, in the same engine runs, the suites (under "suites", as `serve-bench
+    --suite` alone reports them), every method of SERVED_METHODS in one worker job: the main engine test
+    (plain / n-gram / DFlash), the suite test, the lookup row tests, the plugin's tests and the gate-vs-replay
+    test read the same engines instead of starting their own (one run per test run, shared by the xdist
+    workers)."""
     acc = accepting_export
 
     def serve(root: Path) -> None:
         prompts = root / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in acc.prompts))
         args = ["serve-bench", str(acc.export), "--target", str(acc.target), "--prompts", str(prompts),
-                "--num-prompts", str(len(acc.prompts)), "--max-new-tokens", str(SERVED_TOKENS), "--json"]
+                "--num-prompts", str(len(acc.prompts)), "--suite", SERVED_SUITES,
+                "--suite-prompts", str(SUITE_PROMPTS_PER_SUITE), "--max-new-tokens", str(SERVED_TOKENS), "--json"]
         # the lookup rows need the plugin (make vllm installs it; its tests skip, and fail in CI, without)
-        for m in SERVED_METHODS if not lookup_plugin_missing() else SERVED_METHODS[:3]:
+        for m in SERVED_METHODS if not lookup_plugin_missing() else SERVED_BASE:
             args += ["--method", m]
-        r = cli(*args)
+        r = subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
+                           timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "2", "DFLASH_LOOKUP": CALLER_LOOKUP})
         assert r.returncode == 0, r.stderr[-3000:]
         (root / "served.json").write_text(r.stdout)
 

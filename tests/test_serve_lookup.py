@@ -11,8 +11,8 @@ tau). Plus the refusals (no plugin in the vLLM
 environment, a bad mode) in one line, the k sweep's per-method pick and report.md's rows, which
 start no engine.
 
-~2-3 min on 2 quiet cores: four engine starts (spawned: a job with dflash+lookup starts every engine
-core by spawn), plus the session's accepting export when no other test built it.
+The engines are the run the engine tests share (tests/engine_fixtures.py `served_accepting`, spawned:
+a job with dflash+lookup starts every engine core by spawn), built by whichever test asks first.
 """
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ def setup(accepting_export, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(served_accepting):
-    """The engine run the engine tests share (tests/engine_fixtures.py: plain, n-gram, DFlash, the
-    default dflash+lookup and the gate at match >= 1, one worker job, MAX_NEW tokens at k 3)."""
+    """The engine run the engine tests share (tests/engine_fixtures.py: the seed, the default dflash+lookup
+    and the gate at match >= 1, then plain, n-gram and DFlash, one worker job, MAX_NEW tokens at k 3)."""
     assert SERVED_TOKENS == MAX_NEW and {LOOKUP, LOW} <= set(SERVED_METHODS)
     return served_accepting
 
@@ -70,7 +70,7 @@ def served(served_accepting):
 @needs_vllm
 def test_lookup_row_lossless_and_acted(served):
     rows = {row["method"]: row for row in served["rows"]}
-    assert list(rows) == ["plain", "ngram", "dflash", LOOKUP, LOW]
+    assert list(rows) == [f"{LOOKUP}:seed", LOOKUP, LOW, "plain", "ngram", "dflash"] == list(SERVED_METHODS)
     assert rows[LOOKUP]["label"] == "DFlash + lookup (vLLM)"
     # the worker's check: the plugin patched the engine's process with the default mode and threshold
     assert rows[LOOKUP]["lookup"]["mode"] == LOOKUP_MODE and rows[LOOKUP]["lookup"]["min_match"] == LOOKUP_MIN_MATCH

@@ -2,8 +2,10 @@
 `eval --suite` with our decoding and `serve-bench --suite` in vLLM, one row per suite and MT-Bench
 category; a suite name that is not one is one line and exit 2 before any model or engine loads.
 
-The vLLM test serves a tiny random Llama: 4 engine starts for the greedy run (MT-Bench's first
-answers, plain, n-gram, DFlash) and 2 for the sampled one, ~40 s each on 2 cores."""
+The vLLM tests serve the session's accepting export on its tiny Llama: the greedy suites are served in
+the engine run the engine tests share (tests/engine_fixtures.py: `serve-bench --prompts FILE --suite`,
+MT-Bench's first answers in one more engine), the sampled run starts one engine (DFlash) and the demo's
+serve step three (plain, n-gram, DFlash), ~20-40 s each on 2 cores."""
 from __future__ import annotations
 
 import json
@@ -20,6 +22,7 @@ import pytest
 from dflash_train.data.benchmarks import HUMANEVAL_FILE, HUMANEVAL_FORMAT, MTBENCH_FILE, load_humaneval, load_mtbench
 from dflash_train.errors import UserError
 from dflash_train.eval.suites import SUITE_NAMES, all_turns, groups_of, load_suite, parse_suites
+from engine_fixtures import SERVED_TOKENS
 
 def _missing_suite_data() -> str | None:
     for f in (MTBENCH_FILE, HUMANEVAL_FILE):
@@ -128,8 +131,14 @@ def test_bad_suite_name_is_one_line_and_exit_2_before_anything_loads(tmp_path, c
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert lines == ["error: --suite mt-bench: unknown suite; choose from mtbench, humaneval"], r.stderr
-    r = cli(*args, "--suite", "mtbench", "--prompts", str(tmp_path / "p.jsonl"), timeout=120)
-    assert r.returncode == 2 and "give one source of prompts" in r.stderr and "Traceback" not in r.stderr
+    if command == "eval":  # eval scores one source; serve-bench serves both in the same engines (the vLLM test)
+        r = cli(*args, "--suite", "mtbench", "--prompts", str(tmp_path / "p.jsonl"), timeout=120)
+        assert r.returncode == 2 and "give one source of prompts" in r.stderr and "Traceback" not in r.stderr
+    else:
+        r = cli(*args, "--suite", "mtbench", "--prompts", str(tmp_path / "p.jsonl"), "--suite-prompts", "0",
+                timeout=120, env={"DFLASH_TRAIN_VLLM_PYTHON": str(tmp_path / "no-python")})
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            "error: --num-prompts, --suite-prompts and --max-new-tokens must be >= 1"], r.stderr
 
 
 @pytest.mark.parametrize("option, message", [(["--temperature", "-1"], "--temperature must be >= 0"),
@@ -205,6 +214,59 @@ def test_suite_table_layout(capsys):
 # ----------------------------------------------------------------- served by vLLM: serve-bench --suite
 
 
+@needs_suite_data
+def test_prompts_and_suites_in_one_job_are_sliced_apart(tiny_target_dir, monkeypatch):
+    """`serve-bench --prompts FILE --suite ...` (engine/suite_serving.py `serve_with_suites`): the file's
+    prompts first, then the suites', in ONE job of the methods; each side's rows, counters and outputs are
+    its own prompts' alone. vLLM replaced by a recorder whose counters name their prompt (drafts = its
+    index + 1), so a slice off by one shows; the engine run itself: the vLLM test below."""
+    from dflash_train.config import TargetConfig
+    from dflash_train.engine import suite_serving
+    from dflash_train.targets import TokenizerOnly, load_tokenizer
+
+    shim = TokenizerOnly(*load_tokenizer(TargetConfig(path=str(tiny_target_dir))))
+    jobs, replayed = [], {}
+
+    def generate(target_dir, ids, *a, **kw):  # MT-Bench's first answers
+        return [([7, 8], True)] * len(ids), 0.0
+
+    def serve(export_dir, target_dir, ids, stops, max_new_tokens, methods, k, dtype, log, **kw):
+        jobs.append([list(p) for p in ids])
+        per = [{"seconds": 1.0, "spec_decode_num_drafts": i + 1.0, "spec_decode_num_draft_tokens": 3 * (i + 1.0),
+                "spec_decode_num_accepted_tokens": 1.0, "accepted_in_output": 1, "accepted_per_step": [1]}
+               for i in range(len(ids))]
+        counters = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+        raw = {"vllm_version": "0.32.0", "methods": [
+            {"name": m, "k": 3, "load_seconds": 1.0, "seconds": float(len(ids)), "per_prompt": per,
+             "outputs": [[i] * 4 for i in range(len(ids))], **{c: sum(p[c] for p in per) for c in counters}}
+            for m in methods]}
+        return raw, {"methods": [{"k": 3}], "dtype": "float32", "temperature": 0.0, "top_p": 1.0,
+                     "max_new_tokens": max_new_tokens, "prompts": ids}
+
+    def replay(export_dir, target_path, ids, outputs, k, log):
+        replayed["outputs"] = outputs
+        return [[2, 1] for _ in ids]
+
+    monkeypatch.setattr(suite_serving, "generate_in_vllm", generate)
+    monkeypatch.setattr(suite_serving, "serve_methods", serve)
+    monkeypatch.setattr(suite_serving, "replay_per_prompt", replay)
+    lead = [[1, 2, 3], [4, 5]]
+    measured, suites = suite_serving.serve_with_suites("export", str(tiny_target_dir), shim, ["mtbench", "humaneval"],
+                                                       1, 8, ["plain", "dflash"], lead_ids=lead)
+    (ids,) = jobs  # one job: the file's prompts, then MT-Bench's two turns and HumanEval's one
+    assert ids[:2] == lead and len(ids) == 5
+    assert measured["num_prompts"] == 2 and measured["outputs"]["dflash"] == [[0] * 4, [1] * 4]
+    assert {r["method"]: r["drafts"] for r in measured["rows"]}["dflash"] == 1 + 2
+    assert [p["turn"] for p in suites["prompts"]] == [1, 1, 2] and suites["outputs"]["plain"] == [[2] * 4, [3] * 4,
+                                                                                                   [4] * 4]
+    assert replayed["outputs"] == suites["outputs"]["plain"]  # our replay on the suites' own outputs
+    groups = {(g["suite"], g["category"]): g for g in suites["groups"]}
+    drafts = lambda g: {r["method"]: r["drafts"] for r in g["rows"]}["dflash"]  # noqa: E731
+    assert drafts(groups[("mtbench", None)]) == 3 + 5 and drafts(groups[("humaneval", None)]) == 4
+    assert groups[("mtbench", None)]["tau_replay"] == 1.5 and suites["answers_followed"] == [[7, 8]]
+
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(speaking_llama):
     return speaking_llama  # the session's one vLLM-servable tiny target (tests/engine_fixtures.py)
@@ -218,57 +280,77 @@ def tiny_export(accepting_export):
 
 
 @needs_suite_data
-def test_serve_bench_suites_rows_counters_replay_and_sampling(tiny_llama, tiny_export, capsys):
-    export = tiny_export
-    r = cli("serve-bench", str(export), "--target", str(tiny_llama), "--suite", "mtbench,humaneval",
-            "--num-prompts", "2", "--max-new-tokens", "12", "--k", "3", "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout)
-    assert res["suites"] == ["mtbench", "humaneval"] and res["k"] == 3 and res["temperature"] == 0.0
-    assert [p["turn"] for p in res["prompts"]] == [1, 1, 1, 1, 2, 2]
-    groups = {(g["suite"], g["category"]): g for g in res["groups"]}
+def test_serve_bench_suites_rows_counters_replay_and_sampling(accepting_export, served_accepting, tmp_path, capsys):
+    """`serve-bench --prompts FILE --suite mtbench,humaneval`: the engine run the engine tests share
+    (tests/engine_fixtures.py), its file prompts' rows at the top (tests/test_engine_vllm.py checks them
+    step by step against our replay) and, from the same engines, the suites' rows under "suites":
+    checked here per suite and MT-Bench category. Then a sampled run as a user runs it (text output)."""
+    res = served_accepting
+    methods = [row["method"] for row in res["rows"]]
+    # the combined output: the file's prompts at the top, the suites' own prompts and outputs under "suites"
+    assert res["num_prompts"] == len(accepting_export.prompts) == 4
+    assert all(len(res["outputs"][m]) == 4 for m in methods)
+    s = res["suites"]
+    assert s["suites"] == ["mtbench", "humaneval"] and s["k"] == res["k"] == 3 and s["temperature"] == 0.0
+    assert s["num_prompts_per_suite"] == 2 and s["max_new_tokens"] == res["max_new_tokens"] == SERVED_TOKENS
+    assert [p["turn"] for p in s["prompts"]] == [1, 1, 1, 1, 2, 2]
+    groups = {(g["suite"], g["category"]): g for g in s["groups"]}
     assert groups[("mtbench", None)]["num_prompts"] == 4 and groups[("humaneval", None)]["num_prompts"] == 2
-    assert any(s == "mtbench" and c for s, c in groups)
-    outs = res["outputs"]  # lossless compared here, token for token, on every prompt
-    assert outs["ngram"] == outs["plain"] and outs["dflash"] == outs["plain"] and len(outs["plain"]) == 6
-    for g in res["groups"]:
+    assert any(su == "mtbench" and c for su, c in groups)
+    outs = s["outputs"]  # lossless compared here, token for token, on every suite prompt
+    assert set(outs) == set(methods) and len(outs["plain"]) == 6
+    for m in methods:
+        assert outs[m] == outs["plain"], m
+    for g in s["groups"]:
         rows = {row["method"]: row for row in g["rows"]}
-        assert set(rows) == {"plain", "ngram", "dflash"}
-        for m in ("ngram", "dflash"):  # tau recomputed from the group's own counters
-            decode = rows[m]["new_tokens"] - g["num_prompts"]  # the accepted tokens the outputs kept
+        assert list(rows) == methods
+        for m in methods:
+            if m == "plain":
+                continue
+            decode = rows[m]["new_tokens"] - g["num_prompts"]  # tau recomputed from the group's own counters
             assert rows[m]["accepted_in_output"] <= rows[m]["accepted_tokens"]
             assert rows[m]["tau"] == pytest.approx(decode / (decode - rows[m]["accepted_in_output"])), (g, m)
+            assert rows[m]["lossless"] is True, (g, m)
         assert g["lossless"] is True and g["lossless_ngram"] is True, g
         assert g["tau"] >= 1.0 and g["tau_ngram"] >= 1.0 and g["tokens_per_s"] > 0 and g["speedup"] > 0
         d = rows["dflash"]  # the group's own counters: 3 draft tokens at every DFlash step
         assert d["drafts"] > 0 and d["draft_tokens"] == 3 * d["drafts"] and d["accepted_tokens"] <= d["draft_tokens"]
-        if g["category"] is None:  # a suite's row (its categories hold one or two prompts of 12 tokens)
-            # the engine's tau is our replay of the same drafter on plain vLLM's outputs of the same prompts
+        if g["category"] is None:  # a suite's row (its categories hold one or two prompts)
+            mine = [i for i, p in enumerate(s["prompts"]) if p["suite"] == g["suite"]]
+            assert all(rows[m]["new_tokens"] == sum(len(outs[m][i]) for i in mine) for m in methods), g
+            # the engine's tau is our replay of the same drafter on plain vLLM's outputs of the same prompts:
+            # also what shows that these rows are the suites' prompts' and not the file's
             assert abs(g["tau"] - g["tau_replay"]) <= 0.05 * g["tau_replay"], g  # as tests/test_engine_vllm.py
-    # drafts that are kept (MT-Bench: 4 prompts; HumanEval's 2 x 12 tokens may keep none): the lossless
-    # and counter checks above compare kept drafts, not 1.0 with 1.0
-    mt = {row["method"]: row for row in groups[("mtbench", None)]["rows"]}["dflash"]
-    assert mt["accepted_in_output"] > 0 and groups[("mtbench", None)]["tau"] > 1.0, mt
+    # drafts that are kept, in both suites: the lossless and counter checks above compare kept drafts, not
+    # 1.0 with 1.0
+    for name in ("mtbench", "humaneval"):
+        d = {row["method"]: row for row in groups[(name, None)]["rows"]}["dflash"]
+        assert d["accepted_in_output"] > 0 and groups[(name, None)]["tau"] > 1.0, (name, d)
     # the suite rows are the sum of their prompts: MT-Bench's categories add up to the suite's counters
-    cats = [g for (s, c), g in groups.items() if s == "mtbench" and c]
+    cats = [g for (su, c), g in groups.items() if su == "mtbench" and c]
     drafts = lambda g: {row["method"]: row for row in g["rows"]}["dflash"]["drafts"]  # noqa: E731
     assert sum(drafts(g) for g in cats) == drafts(groups[("mtbench", None)])
     # the second turns followed the target's own greedy first answers: what plain vLLM answered there
-    turn1 = [i for i, p in enumerate(res["prompts"]) if p["suite"] == "mtbench" and p["turn"] == 1]
-    assert res["answers_followed"] == [res["outputs"]["plain"][i] for i in turn1]
+    turn1 = [i for i, p in enumerate(s["prompts"]) if p["suite"] == "mtbench" and p["turn"] == 1]
+    assert s["answers_followed"] == [outs["plain"][i] for i in turn1]
     from dflash_train.eval.suite_bench import print_suite_tables
 
-    print_suite_tables(res, "served")
+    print_suite_tables(s, "served")
     out = capsys.readouterr().out
     assert "humaneval" in out and "mtbench/" in out and "speedup / tau per suite" in out
 
-    # sampling, as a user runs it: the rows print, tau from the counters, lossless n/a
-    r = cli("serve-bench", str(export), "--target", str(tiny_llama), "--suite", "humaneval", "--num-prompts", "1",
-            "--max-new-tokens", "12", "--k", "3", "--method", "plain", "--method", "dflash",
-            "--temperature", "1.0", "--top-p", "0.9")
+    # sampling, as a user runs it, a prompts file and a suite in one run (the combined text output): DFlash
+    # drafts under sampling in vLLM, the rows print, tau from the counters, lossless n/a
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": accepting_export.prompts[0]}) + "\n")
+    r = cli("serve-bench", str(accepting_export.export), "--target", str(accepting_export.target), "--prompts",
+            str(prompts), "--num-prompts", "1", "--suite", "humaneval", "--suite-prompts", "1",
+            "--max-new-tokens", "12", "--k", "3", "--method", "dflash", "--temperature", "1.0", "--top-p", "0.9")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "humaneval" in r.stdout and "n/a (sampling)" in r.stdout and "temperature 1, top-p 0.9" in r.stdout
-    assert "DFlash (vLLM)" in r.stdout and "Traceback" not in r.stderr
+    out = r.stdout
+    assert "served by vLLM: " in out and "served by vLLM in the same engine runs, per suite" in out, out
+    assert "humaneval" in out and "n/a (sampling)" in out and "temperature 1, top-p 0.9" in out
+    assert "DFlash (vLLM)" in out and "Traceback" not in r.stderr
 
 
 @needs_suite_data

@@ -2,13 +2,13 @@
 
 Unit tests of the plugin's own code run here, in the trainer's environment (numpy + torch, no vLLM):
 its lookup proposal equals the trainer's rule (model/lookup.py), the gate's and the seed's edges,
-the version pin and the switch. The end-to-end tests serve a tiny target in vLLM's environment
-(.venv-vllm, where `make vllm` installs the plugin) with our worker: one job with the gate, seeded
-blocks, then plain and DFlash with the plugin off for them; every output equals plain vLLM's.
+the version pin and the switch. The end-to-end tests read the engine run the engine tests share
+(tests/engine_fixtures.py `served_accepting`: `serve-bench` in vLLM's environment, .venv-vllm, where
+`make vllm` installs the plugin): seeded blocks and the gate, then plain, n-gram and DFlash with the
+plugin off for them and the caller's DFLASH_LOOKUP kept out; every output equals plain vLLM's.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_tiny_jsonl
 from dflash_train.model.lookup import lookup_proposals
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,7 +133,7 @@ def test_unknown_vllm_version_refused_in_one_line(monkeypatch, caplog):
 
 # ---- end to end, in vLLM's environment --------------------------------------------------------
 
-from dflash_train.engine.vllm_process import REPO_VENV, engine_env, kv_cache_gib, vllm_python  # noqa: E402
+from dflash_train.engine.vllm_process import REPO_VENV  # noqa: E402
 
 VLLM_PY = REPO_VENV / "bin" / "python"
 
@@ -152,86 +151,57 @@ if VLLM_PY.is_file() and not plugin_installed() and os.environ.get("CI"):
     raise RuntimeError("CI must have the plugin in .venv-vllm (make vllm installs it)")
 needs_vllm = pytest.mark.skipif(not plugin_installed(), reason="vLLM + the plugin not installed: run `make vllm`")
 
-K = 7
-MAX_NEW = 32
-
-
-def prompts() -> list[list[int]]:
-    """Token ids with repeats (lookup has something to copy) and without; ids < the tiny vocabulary."""
-    rng = random.Random(0)
-    span = [rng.randrange(30, 400) for _ in range(12)]
-    return [span + [rng.randrange(30, 400) for _ in range(5)] + span[:6],
-            [rng.randrange(30, 400) for _ in range(24)],
-            (span[:8] + [17]) * 3]
-
-
-def serve(target: Path, export: Path, tmp: Path, methods: list[dict], caller_lookup: str) -> tuple[dict, str]:
-    """vLLM's worker (engine/vllm_worker.py), as serve-bench runs it, on `methods` (the plugin's mode in a
-    method's "lookup"), with DFLASH_LOOKUP=`caller_lookup` in the caller's environment (which the worker
-    must not let reach the engines of the other methods): its result by method name and its log."""
-    from dflash_train.engine.vllm_process import WORKER
-
-    job = {"target": str(target), "dtype": "float32", "max_model_len": 256, "max_new_tokens": MAX_NEW,
-           "prompts": prompts(),
-           "methods": [{"k": K, **m, **({"model": str(export)} if m["name"] != "plain" else {})} for m in methods]}
-    job_file, result_file = tmp / "job.json", tmp / "result.json"
-    job_file.write_text(json.dumps(job))
-    env = engine_env({"VLLM_CPU_KVCACHE_SPACE": kv_cache_gib(), "DFLASH_LOOKUP": caller_lookup, "OMP_NUM_THREADS": "1"})
-    r = subprocess.run([str(vllm_python()), str(WORKER), str(job_file), str(result_file)], capture_output=True,
-                       text=True, env=env, cwd=tmp, timeout=900)
-    res = json.loads(result_file.read_text())
-    assert "error" not in res, res.get("traceback", "")[-3000:]
-    return {m["name"]: m for m in res["methods"]}, r.stdout + r.stderr
+SEED = "dflash+lookup:seed"
 
 
 @pytest.fixture(scope="module")
-def served(tiny_target_factory, tmp_path_factory):
-    """One tiny drafter, served by one worker job: the gate, seeded blocks, then plain and DFlash with the
-    plugin off for them (after the plugin's engines, with DFLASH_LOOKUP=seed+gate in the caller's
-    environment: neither may leak into them). (~3 min on 2 cores: the training and four engine starts.)"""
-    from test_engine_vllm import train_and_export
+def served(served_accepting):
+    """The engine run the engine tests share (tests/engine_fixtures.py `served_accepting`: the session's
+    drafter that accepts, 4 prompts x 24 tokens at k 3): the plugin's engines first (seed, the gate at
+    match >= 3 and at >= 1), then plain, n-gram and DFlash with the plugin off for them, with
+    DFLASH_LOOKUP=CALLER_LOOKUP in serve-bench's own environment (which must reach none of them)."""
+    from engine_fixtures import CALLER_LOOKUP, SERVED_METHODS
 
-    root = tmp_path_factory.mktemp("lookup_plugin")
-    target = tiny_target_factory("llama", hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32)
-    data = write_tiny_jsonl(root / "conv.jsonl", n=40)
-    # trained with lookup-seeded blocks (half of them masks only): the drafter the seed mode is for
-    export = train_and_export(root, str(target), data, 60, "model.num_layers=2", "model.target_layer_ids=[1,2]",
-                              "model.block_seeds=prompt_lookup", "train.unseeded_fraction=0.5")
-    rows, log = serve(target, export, root, [{"name": "gate", "lookup": "gate"}, {"name": "seed", "lookup": "seed"},
-                                             {"name": "plain"}, {"name": "dflash"}], caller_lookup="seed+gate")
-    return rows, log
+    assert CALLER_LOOKUP == "seed" and list(SERVED_METHODS[:3]) == [SEED, "dflash+lookup", "dflash+lookup@1"]
+    return {row["method"]: row for row in served_accepting["rows"]}, served_accepting["outputs"]
 
 
 @needs_vllm
-def test_plugin_loads_in_vllm_only_for_its_methods(served):
-    rows, log = served
-    for mode in ("gate", "seed"):
-        assert f"dflash-lookup 0.1.0 on: {mode}, min match 3" in log, log[-3000:]
-        # the worker checked that the plugin patched the engine's process (DFLASH_LOOKUP_RECORD)
-        assert rows[mode]["lookup"]["mode"] == mode and rows[mode]["lookup"]["processes"] >= 1
-    assert "on: gate+seed" not in log  # the caller's DFLASH_LOOKUP reached no engine
-    assert rows["plain"]["lookup"] is None and rows["dflash"]["lookup"] is None
+def test_plugin_acts_in_vllm_only_for_its_methods(served, accepting_export):
+    rows, outs = served
+    # the worker checked the plugin's record (DFLASH_LOOKUP_RECORD): it patched each of its engines' processes
+    # with that method's mode and gate threshold
+    for method, mode, min_match in ((SEED, "seed", 3), ("dflash+lookup", "gate", 3), ("dflash+lookup@1", "gate", 1)):
+        lk = rows[method]["lookup"]
+        assert lk["mode"] == mode and lk["min_match"] == min_match and lk["processes"] >= 1, (method, lk)
+    # DFlash alone, served after the plugin's engines with DFLASH_LOOKUP=seed in the caller's environment,
+    # drafts what our replay of the drafter alone drafts, step for step: neither a plugin left patched from the
+    # engines before nor the caller's setting acted in its engine ...
+    from test_engine_vllm import assert_engine_steps_are_replay, replay_steps
+
+    acc = accepting_export
+    assert_engine_steps_are_replay(rows["dflash"], outs["plain"],
+                                   replay_steps(acc.export, str(acc.target), acc.prompts, outs["plain"]))
+    # ... where either would show: the seed's and the gate's verify steps are not DFlash's on these prompts
+    steps = {m: rows[m]["accepted_per_step"] for m in (SEED, "dflash+lookup@1", "dflash")}
+    assert steps[SEED] != steps["dflash"] and steps["dflash+lookup@1"] != steps["dflash"], steps
 
 
 def counters(row: dict) -> tuple[float, float, float]:
     """(drafts, draft tokens, accepted tokens) the engine counted (vllm:spec_decode_num_*)."""
-    return (row["spec_decode_num_drafts"], row["spec_decode_num_draft_tokens"],
-            row["spec_decode_num_accepted_tokens"])
+    return row["drafts"], row["draft_tokens"], row["accepted_tokens"]
 
 
 @needs_vllm
 def test_gate_and_seed_lossless_with_accepted_tokens(served):
-    rows, _ = served
-    plain, dflash = rows["plain"]["outputs"], rows["dflash"]
-    assert dflash["outputs"] == plain
-    for mode in ("gate", "seed"):
+    rows, outs = served
+    plain = outs["plain"]
+    assert outs["dflash"] == plain
+    for mode in (SEED, "dflash+lookup", "dflash+lookup@1"):
         d = rows[mode]
-        assert d["outputs"] == plain, mode  # lossless: verification is vLLM's
+        assert outs[mode] == plain, mode  # lossless: verification is vLLM's
         drafts, draft_tokens, accepted = counters(d)
-        assert drafts > 0 and draft_tokens == K * drafts and 0 <= accepted <= draft_tokens, (mode, counters(d))
-    # (this 60-step drafter accepts nothing with or without seeds on these prompts; the gate's tokens are accepted)
-    assert counters(rows["gate"])[2] > 0
-    # the gate drafts lookup's copy where the outputs repeat the context: more accepted than DFlash alone
-    # (which ran after it: the gate did not stay patched into a later engine)
-    gate = counters(rows["gate"])
-    assert gate[2] > counters(dflash)[2], (gate, counters(dflash))
+        k = d["k"]
+        assert k == 3 and drafts > 0 and draft_tokens == k * drafts and 0 < accepted <= draft_tokens, (mode, d)
+    # (the gate's exact steps against our replay of it: tests/test_engine_vllm.py; its bounds at match >= 1:
+    # tests/test_serve_lookup.py)

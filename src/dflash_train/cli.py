@@ -248,7 +248,7 @@ def serve_bench(
     drafter: Path = typer.Argument(..., help="export dir | RUN_DIR | checkpoint dir"),
     target: Optional[str] = typer.Option(None, "--target", help="target path (default: the one the drafter records)"),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="JSONL file of {'prompt': ...} or 'heldout' (the default)"),
-    num_prompts: int = typer.Option(12, "--num-prompts", help="prompts (with --suite: items per suite)"),
+    num_prompts: int = typer.Option(12, "--num-prompts", help="prompts (with --suite alone: items per suite)"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     method: List[str] = typer.Option(["plain", "ngram", "dflash"], "--method", help="plain | ngram | dflash | dflash+lookup[:gate|seed|seed+gate][@MIN_MATCH] (repeat)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (default: lossless checks hold on CPU) | bfloat16"),
@@ -260,6 +260,8 @@ def serve_bench(
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (lossless checked); > 0 samples "
                                       "(tau from the engine's counters, lossless n/a)"),
     top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling, with --temperature > 0"),
+    suite_prompts: Optional[int] = typer.Option(None, "--suite-prompts", help="with --prompts and --suite (both "
+                                                "served in the same engines): items per suite (default --num-prompts)"),
 ):
     """Serve the drafter in vLLM (.venv-vllm): plain, vLLM n-gram and DFlash, by the engine's counters."""
 
@@ -267,7 +269,7 @@ def serve_bench(
         from dflash_train.engine.serve_bench import serve_bench_command
 
         serve_bench_command(drafter, target, prompts, num_prompts, max_new_tokens, method, as_json, dtype, k,
-                            suite, temperature, top_p)
+                            suite, temperature, top_p, suite_prompts)
 
     _guard(go)
 

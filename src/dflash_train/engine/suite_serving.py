@@ -4,10 +4,13 @@ and tok/s come from the per-prompt engine counters and times of its prompts; tau
 of the same drafter on plain vLLM's outputs (greedy only: sampled outputs are not replayable).
 The suites, the grouping and the printed tables are eval/'s (`eval/suites.py`, `eval/suite_bench.py`);
 DFlash + lookup (`dflash+lookup`, our vLLM plugin), when served, gets its figures per group under the
-``_lookup`` suffix and a table of its own (`print_lookup_suites`)."""
+``_lookup`` suffix and a table of its own (`print_lookup_suites`). Other prompts (`serve-bench --prompts
+FILE --suite ...`: `lead_ids`) are served first in the same engine runs, as the demo serves its held-out
+prompts beside the suites': their rows are engine/measure.py's `measurement` of those prompts alone."""
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Sequence
 
 from rich.console import Console
@@ -15,7 +18,8 @@ from rich.table import Table
 
 from dflash_train.checkpoint.source import resolve_drafter_source
 from dflash_train.config import RunConfig, TargetConfig
-from dflash_train.engine.measure import DEFAULT_DTYPE, is_lookup, label_of, methods_over, serve_methods, summarise
+from dflash_train.engine.measure import (DEFAULT_DTYPE, is_lookup, label_of, measurement, methods_over,
+                                         serve_methods, summarise)
 from dflash_train.engine.vllm_process import generate_in_vllm
 from dflash_train.eval.replay import replay_acceptance
 from dflash_train.eval.source import load_drafter
@@ -34,6 +38,20 @@ def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence
     """The export served by vLLM over the suites; `tokenizer_target`: anything with .tokenizer and
     .family, whose prompts are rendered in the chat format of the run `run_cfg` (`prompt_format`:
     its template and data.chat_template_kwargs). Rows per group (module docstring)."""
+    _, suites = serve_with_suites(export_dir, target_path, tokenizer_target, names, num_prompts, max_new_tokens,
+                                  methods, k=k, dtype=dtype, temperature=temperature, top_p=top_p, log=log,
+                                  run_cfg=run_cfg)
+    return suites
+
+
+def serve_with_suites(export_dir, target_path: str, tokenizer_target, names: Sequence[str], num_prompts: int,
+                      max_new_tokens: int, methods: Sequence[str], lead_ids: Sequence[Sequence[int]] = (),
+                      k: int | dict[str, int] | None = None, dtype: str | None = None, temperature: float = 0.0,
+                      top_p: float = 1.0, log: Log | None = None,
+                      run_cfg: RunConfig | None = None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """`lead_ids` (token ids in the same chat format, or none) and then the suites' prompts, each method
+    served once over all of them: (`measurement` of the lead prompts, None without any; the suites'
+    result as `serve_suites` returns it, of the suites' prompts alone)."""
     fmt = prompt_format(tokenizer_target, run_cfg)
     stops = fmt.stop_token_ids()
     target_dir = served_target_dir(target_path)
@@ -51,15 +69,20 @@ def serve_suites(export_dir, target_path: str, tokenizer_target, names: Sequence
 
     prompts = all_turns(suite_items(names, num_prompts), first_answers)
     ids = [fmt.prompt_ids(list(p.messages)) for p in prompts]
-    raw, job = serve_methods(export_dir, target_dir, ids, stops, max_new_tokens, methods, k, dtype, log,
+    lead = [list(p) for p in lead_ids]
+    t0 = time.perf_counter()
+    raw, job = serve_methods(export_dir, target_dir, lead + ids, stops, max_new_tokens, methods, k, dtype, log,
                              temperature=temperature, top_p=top_p)
+    seconds = time.perf_counter() - t0
     k = job["methods"][0]["k"]
-    outputs = {m["name"]: m["outputs"] for m in raw["methods"]}
+    mine = range(len(lead), len(lead) + len(ids))
+    outputs = {m["name"]: [m["outputs"][i] for i in mine] for m in raw["methods"]}
     replayed = None
     if temperature <= 0 and "dflash" in outputs and "plain" in outputs:
         replayed = replay_per_prompt(export_dir, target_path, ids, outputs["plain"], k, log)
-    res = suite_result(raw, job, prompts, names, num_prompts, replayed=replayed)
-    return {**res, "answers_followed": answered, "outputs": outputs}
+    res = suite_result(raw, job, prompts, names, num_prompts, offset=len(lead), replayed=replayed)
+    measured = measurement(raw, job, range(len(lead)), seconds) if lead else None
+    return measured, {**res, "answers_followed": answered, "outputs": outputs}
 
 
 def suite_result(raw: dict[str, Any], job: dict[str, Any], prompts: Sequence[SuitePrompt], names: Sequence[str],
