@@ -76,9 +76,12 @@ def write_tiny_jsonl(path: Path, n: int = 24, seed: int = 0) -> Path:
 
 # The longest test files first (measured: `pytest --durations`, docs/benchmarks.md): make test's two
 # workers take whole files in collection order (--dist loadfile --no-loadscope-reorder), and a long
-# file picked up last would leave one worker running alone at the end.
-LONGEST_FIRST = ["test_engine_vllm.py", "test_suites.py", "test_deploy_flow.py", "test_regenerate_endpoints.py",
-                 "test_vllm_lookup_plugin.py", "test_k_auto.py", "test_train_resume.py", "test_model_compile.py",
+# file picked up last would leave one worker running alone at the end. test_engine_vllm.py builds the
+# session's accepting export and shared engine run (tests/engine_fixtures.py) first; the files the other
+# worker takes next need neither, so it does not sit on the build's lock (test_suites.py, test_k_auto.py,
+# test_serve_lookup.py and test_vllm_lookup_plugin.py read them).
+LONGEST_FIRST = ["test_engine_vllm.py", "test_deploy_flow.py", "test_regenerate_endpoints.py", "test_suites.py",
+                 "test_k_auto.py", "test_train_resume.py", "test_model_compile.py",
                  "test_target_tensor_parallel.py", "test_no_data_loss.py", "test_compare.py", "test_storage_faults.py"]
 
 

@@ -3,9 +3,9 @@ the fastest by the engine's tok/s chosen (ties: the smaller k), then the measure
 --json carries the sweep. A k that is neither a number >= 1 nor auto is one line and exit 2
 before anything loads.
 
-The served export has block_size 3 (candidates 1 and 2): 3 engine starts for the sweep (plain and
-DFlash at each k) and 1 for the measurement (DFlash alone: the sweep checked lossless at every k),
-~20-40 s each on 2 cores."""
+The served export is the session's accepting one (block_size 4: candidates 1, 2 and 3): 4 engine starts
+for the sweep (plain and DFlash at each k) and 1 for the measurement (DFlash alone: the sweep checked
+lossless at every k), ~20-40 s each on 2 cores."""
 from __future__ import annotations
 
 import json
