@@ -35,7 +35,6 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch

@@ -40,7 +40,6 @@ def test_torchrun_sigterm_resume_is_bit_exact(tiny_target_factory, tmp_path):
     import json
     import os
     import signal
-    import time
 
     from conftest import write_tiny_jsonl
 

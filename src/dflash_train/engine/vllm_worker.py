@@ -272,6 +272,8 @@ def generate(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    for var in _LOOKUP_VARS:  # the target alone: a user's DFLASH_LOOKUP is for their served DFlash engines
+        os.environ.pop(var, None)
     llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
               max_num_seqs=job.get("max_num_seqs", 64), enable_prefix_caching=False,
               enforce_eager=job.get("enforce_eager", True))
