@@ -46,9 +46,17 @@ class AcceptingExport:
     prompts: list[str]  # prompts it trained on (PROMPTS)
 
 
-def cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+# vLLM's own switch (engine/vllm_worker.py): the engine core and its model in the worker's process, an engine
+# start ~6 s instead of ~30-55 s; the worker ignores it for a job with a lookup method, which keeps the
+# served default's processes under test (`served_accepting`, its plain / n-gram / DFlash engines included),
+# and the teardown test (tests/test_engine_teardown.py) does not set it
+IN_PROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def cli(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The product's CLI as a user runs it, its vLLM engines in the worker's process (IN_PROCESS_ENGINES)."""
     return subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2"})
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2", **IN_PROCESS_ENGINES, **(env or {})})
 
 
 @pytest.fixture(scope="session")
@@ -132,8 +140,9 @@ def served_accepting(accepting_export, tmp_path_factory) -> dict:
         # the lookup rows need the plugin (make vllm installs it; its tests skip, and fail in CI, without)
         for m in SERVED_METHODS if not lookup_plugin_missing() else SERVED_BASE:
             args += ["--method", m]
-        r = subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
-                           timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "2", "DFLASH_LOOKUP": CALLER_LOOKUP})
+        # IN_PROCESS_ENGINES too: a job with lookup methods must start each engine core in a process of its own
+        # anyway (else the first engine's plugin settings reach DFlash alone: its drafts would not be the replay's)
+        r = cli(*args, timeout=1800, env={"DFLASH_LOOKUP": CALLER_LOOKUP})
         assert r.returncode == 0, r.stderr[-3000:]
         (root / "served.json").write_text(r.stdout)
 

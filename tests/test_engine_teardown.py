@@ -35,6 +35,24 @@ def test_generation_binds_every_core_unless_the_caller_chose(monkeypatch):
     assert all_cores_bind() == {}
 
 
+def test_engines_share_the_worker_process_only_where_vllm_can(monkeypatch):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine tests set it: tests/engine_fixtures.py) keeps a job's
+    engines in the worker's process unless the job serves dflash+lookup or two n-gram engines; n-gram's
+    engine then starts last. Driven in vLLM by the engine tests: `served_accepting` (lookup methods
+    before DFlash alone, whose drafts must stay the replay's) and `compare --engine` (plain, n-gram, DFlash)."""
+    from dflash_train.engine.vllm_worker import engine_order, engines_here
+
+    plain, ngram, dflash = {"name": "plain"}, {"name": "ngram", "k": 3}, {"name": "dflash"}
+    lookup = {"name": "dflash+lookup", "lookup": "gate"}
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)  # vLLM's default: a process per engine
+    assert not engines_here([plain, dflash])
+    assert engine_order([plain, ngram, dflash], False) == [0, 1, 2]
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert engines_here([plain, ngram, dflash]) and engine_order([plain, ngram, dflash], True) == [0, 2, 1]
+    assert not engines_here([plain, dflash, lookup])
+    assert not engines_here([ngram, {**ngram, "k": 2}])
+
+
 def _engine_processes(caller: psutil.Process) -> list[psutil.Process]:
     """The caller's descendants that vLLM started (the worker script's own group and below)."""
     with_children = []

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import write_tiny_jsonl
-from engine_fixtures import BLOCK_SIZE
+from engine_fixtures import BLOCK_SIZE, cli
 from engine_fixtures import PROMPTS as ENGINE_PROMPTS
 from dflash_train.engine.vllm_process import REPO_VENV
 
@@ -29,11 +29,6 @@ HAS_VLLM = bool(os.environ.get("DFLASH_TRAIN_VLLM_PYTHON")) or (REPO_VENV / "bin
 if not HAS_VLLM and os.environ.get("CI"):
     raise RuntimeError("CI must have vLLM installed (make test installs .venv-vllm)")
 pytestmark = pytest.mark.skipif(not HAS_VLLM, reason="vLLM not installed: run `make vllm`")
-
-
-def cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2"})
 
 
 def train_and_export(root: Path, target: str, data: Path, steps: int, *extra: str) -> Path:

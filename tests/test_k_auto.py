@@ -9,21 +9,14 @@ lossless at every k), ~20-40 s each on 2 cores."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from engine_fixtures import cli
 from test_engine_vllm import HAS_VLLM, PROMPTS, prompts_file
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def cli(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})})
 
 
 @pytest.mark.parametrize("value, message", [("0", "--k 0: draft tokens per step must be >= 1 (or auto)"),

@@ -17,8 +17,6 @@ a job with dflash+lookup starts every engine core by spawn), built by whichever 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from dflash_train.report import explanation, suite_lines
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "plugins" / "vllm_dflash_lookup"))
 from vllm_dflash_lookup.proposal import lookup  # noqa: E402  (the plugin's rule: what the engine gates with)
-from engine_fixtures import SERVED_METHODS, SERVED_TOKENS  # noqa: E402
+from engine_fixtures import SERVED_METHODS, SERVED_TOKENS, cli  # noqa: E402
 from test_vllm_lookup_plugin import needs_vllm  # noqa: E402
 
 K = 3  # the accepting export's block of 4 - 1
@@ -41,11 +39,6 @@ MAX_NEW = 24  # as tests/test_engine_vllm.py serves this export (its engine-vs-r
 # the gate at a 1-token match hands many blocks to lookup (on this drafter, which learnt its target's
 # loops, the default threshold changes few): the row whose tau tells an acting plugin from an idle one
 LOW = f"{LOOKUP}@1"
-
-
-def cli(*args: str, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})})
 
 
 @pytest.fixture(scope="module")

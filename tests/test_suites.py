@@ -9,8 +9,6 @@ serve step three (plain, n-gram, DFlash), ~20-40 s each on 2 cores."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from collections import Counter
 from importlib import metadata
@@ -22,7 +20,7 @@ import pytest
 from dflash_train.data.benchmarks import HUMANEVAL_FILE, HUMANEVAL_FORMAT, MTBENCH_FILE, load_humaneval, load_mtbench
 from dflash_train.errors import UserError
 from dflash_train.eval.suites import SUITE_NAMES, all_turns, groups_of, load_suite, parse_suites
-from engine_fixtures import SERVED_TOKENS
+from engine_fixtures import IN_PROCESS_ENGINES, SERVED_TOKENS, cli
 
 def _missing_suite_data() -> str | None:
     for f in (MTBENCH_FILE, HUMANEVAL_FILE):
@@ -39,11 +37,6 @@ needs_suite_data = pytest.mark.skipif(_missing_suite_data() is not None, reason=
 
 REPO = Path(__file__).resolve().parents[1]
 MTBENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-
-
-def cli(*args: str, timeout: float = 1500, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_train.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2", **(env or {})})
 
 
 # ----------------------------------------------------------------- the data
@@ -355,7 +348,7 @@ def test_serve_bench_suites_rows_counters_replay_and_sampling(accepting_export, 
 
 @needs_suite_data
 def test_demo_serving_step_serves_the_suites_beside_the_heldout_prompts_into_report(tiny_llama, tiny_export,
-                                                                                   tmp_path, capsys):
+                                                                                   tmp_path, capsys, monkeypatch):
     """The demo's serve step (demo.judge_in_engine) with demo.suite_prompts=2: the held-out prompts and
     the suites' in the same three engines, the held-out row as before, report.md a row per suite."""
     from dflash_train.config import load_config
@@ -366,6 +359,8 @@ def test_demo_serving_step_serves_the_suites_beside_the_heldout_prompts_into_rep
     cfg = load_config(REPO / "configs" / "cpu-demo.yaml", [f"target.path={tiny_llama}", "demo.suite_prompts=2",
                                                            "eval.max_new_tokens=12", "demo.serve_k=3"])
     heldout = ["Please explain how speculative decoding works.", "Write a short poem about the sea."]
+    for var, value in IN_PROCESS_ENGINES.items():  # the worker inherits this process's environment
+        monkeypatch.setenv(var, value)
     judged = judge_in_engine(cfg, load_target(cfg.target), heldout, tiny_export)
     engine, suites = judged["engine"], judged["suites"]
     # the held-out row: its own two prompts' outputs and counters

@@ -50,7 +50,7 @@ from dflash_train.checkpoint.source import resolve_drafter_source
 from dflash_train.config import ConfigError, RunConfig, load_config
 from dflash_train.data.sources import read_conversations
 from dflash_train.engine.k_sweep import check_k
-from dflash_train.engine.measure import measure_in_vllm
+from dflash_train.engine.measure import export_block_size, serve_methods, summarise
 from dflash_train.errors import UserError
 from dflash_train.eval.ngram import PromptLookup
 from dflash_train.eval.prompts import encode_prompts, eval_prompts
@@ -298,20 +298,18 @@ def engine_scores(target_path: str, target, prompts, max_new_tokens: int, out: P
     target_dir = served_target_dir(target_path)
     exports = {n: export_checkpoint(out / n, out / n / "export", force=True) for n in names}
     first = next(iter(exports.values()))
-    base = measure_in_vllm(first, target_dir, ids, stops, max_new_tokens, ("plain", "ngram"), k=k,
-                           log=lambda m: print(m, flush=True))
-    rows = {r["method"]: r for r in base["rows"]}
-    plain_out = base["outputs"]["plain"]
+    # one worker job (one vLLM import): plain and n-gram once, then each variant's DFlash
+    served = [first, first, *exports.values()]
+    ks = [k or export_block_size(e) - 1 for e in served]
+    res, _ = serve_methods(first, target_dir, ids, stops, max_new_tokens, ["plain", "ngram"] + ["dflash"] * len(exports),
+                           ks=ks, exports=served, log=lambda m: print(m, flush=True))
+    plain, ngram, *variants = summarise(res["methods"], len(ids))
     scores = {}
-    for n, exp in exports.items():
-        res = measure_in_vllm(exp, target_dir, ids, stops, max_new_tokens, ("dflash",), k=k,
-                              log=lambda m: print(m, flush=True))
-        d = res["rows"][0]
-        scores[n] = {"tau_engine": d["tau"], "tokens_per_s_engine": d["tokens_per_s"],
-                     "speedup_engine": d["tokens_per_s"] / rows["plain"]["tokens_per_s"],
-                     "lossless_engine": res["outputs"]["dflash"] == plain_out,
-                     "tau_engine_ngram": rows["ngram"]["tau"], "tokens_per_s_engine_ngram": rows["ngram"]["tokens_per_s"],
-                     "tokens_per_s_engine_plain": rows["plain"]["tokens_per_s"], "k_engine": d.get("k")}
+    for n, d in zip(exports, variants):
+        scores[n] = {"tau_engine": d["tau"], "tokens_per_s_engine": d["tokens_per_s"], "speedup_engine": d["speedup"],
+                     "lossless_engine": d["lossless"], "tau_engine_ngram": ngram["tau"],
+                     "tokens_per_s_engine_ngram": ngram["tokens_per_s"],
+                     "tokens_per_s_engine_plain": plain["tokens_per_s"], "k_engine": d["k"]}
     return scores
 
 

@@ -111,11 +111,12 @@ def serve_methods(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Seque
                   stop_token_ids: Sequence[int], max_new_tokens: int, methods: Sequence[str],
                   k: int | dict[str, int] | None = None, dtype: str | None = None,
                   log: Callable[[str], None] | None = None, timeout_s: float = 3600.0, temperature: float = 0.0,
-                  top_p: float = 1.0,
-                  ks: Sequence[int] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                  top_p: float = 1.0, ks: Sequence[int] | None = None,
+                  exports: Sequence[Path] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The worker's raw result (each method's outputs, seconds and counters, in total and per prompt)
     and the job it ran; `k`: one for all methods, or {method: k} (DFlash's for methods it does not name);
-    `ks`: a k per method in order (the k sweep). Raises UserError
+    `ks`: a k per method in order (the k sweep); `exports`: the export each method serves, in order
+    (`compare` serves its variants in one job; None: `export_dir` for all). Raises UserError
     (one line) when vLLM cannot serve the pair."""
     export_dir = Path(export_dir).resolve()
     if isinstance(k, dict):  # a k per method (`--k auto` picks one for DFlash and one for DFlash + lookup)
@@ -129,8 +130,8 @@ def serve_methods(export_dir: Path, target_dir: Path, prompt_ids: Sequence[Seque
         "max_new_tokens": int(max_new_tokens), "prompts": [list(map(int, p)) for p in prompt_ids],
         "stop_token_ids": [int(s) for s in stop_token_ids],
         "temperature": float(temperature), "top_p": float(top_p),
-        "methods": [{**method_spec(m), "k": mk, **({"model": str(export_dir)} if m == "dflash" or is_lookup(m) else {})}
-                    for m, mk in zip(methods, ks)],
+        "methods": [{**method_spec(m), "k": mk, **({"model": str(Path(e).resolve())} if m == "dflash" or is_lookup(m) else {})}
+                    for m, mk, e in zip(methods, ks, exports or [export_dir] * len(methods))],
     }
     if log:
         sampling = f"temperature {temperature:g}, top-p {top_p:g}" if temperature > 0 else "greedy"
