@@ -111,10 +111,12 @@ def _train(speaking_llama: Path, root: Path) -> None:
 # same engines (--prompts FILE --suite), the suites' first SUITE_PROMPTS_PER_SUITE items (MT-Bench's two turns)
 SERVED_TOKENS = 24
 SERVED_SUITES = "mtbench,humaneval"
-# the plugin's engines first (seed, the default gate, the gate at a 1-token match), then plain, n-gram and
-# DFlash alone: those run after the plugin's engines, with CALLER_LOOKUP in serve-bench's own environment, so
-# a plugin that stayed patched or read the caller's DFLASH_LOOKUP would change DFlash's drafts (the engine
-# tests compare them with our replay of the drafter alone, step by step)
+# the plugin's engines (seed, the default gate, the gate at a 1-token match) and plain, n-gram and DFlash alone,
+# with CALLER_LOOKUP in serve-bench's own environment and IN_PROCESS_ENGINES: the worker starts plain, n-gram and
+# DFlash in its own process first, then each lookup engine in processes of its own (engine_plan). A worker that
+# let the caller's DFLASH_LOOKUP reach DFlash alone's engine, or started the lookup engines in its own process
+# (the plugin is set up once per process: the gate would be served with the seed's settings), would change
+# drafts that the engine tests compare with our replay, step by step
 SERVED_LOOKUP = ("dflash+lookup:seed", "dflash+lookup", "dflash+lookup@1")
 SERVED_BASE = ("plain", "ngram", "dflash")
 SERVED_METHODS = SERVED_LOOKUP + SERVED_BASE
@@ -140,8 +142,6 @@ def served_accepting(accepting_export, tmp_path_factory) -> dict:
         # the lookup rows need the plugin (make vllm installs it; its tests skip, and fail in CI, without)
         for m in SERVED_METHODS if not lookup_plugin_missing() else SERVED_BASE:
             args += ["--method", m]
-        # IN_PROCESS_ENGINES too: a job with lookup methods must start each engine core in a process of its own
-        # anyway (else the first engine's plugin settings reach DFlash alone: its drafts would not be the replay's)
         r = cli(*args, timeout=1800, env={"DFLASH_LOOKUP": CALLER_LOOKUP})
         assert r.returncode == 0, r.stderr[-3000:]
         (root / "served.json").write_text(r.stdout)

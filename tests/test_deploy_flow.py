@@ -186,7 +186,8 @@ def data(tiny_target_factory, tmp_path_factory):
 @pytest.fixture(scope="class")
 def job_a(data):
     target, jsonl, root = data
-    job = Job(root / "job-a", job_overrides(target, jsonl), root / "job-a.out")
+    # niced: an endless job that only has to keep stepping; at full priority it takes a core from the other tests
+    job = Job(root / "job-a", job_overrides(target, jsonl), root / "job-a.out", nice=10)
     try:
         wait_step(job.run_dir, 30, job.proc, timeout=240)  # past the first checkpoint (step 25)
         yield job

@@ -37,20 +37,20 @@ def test_generation_binds_every_core_unless_the_caller_chose(monkeypatch):
 
 def test_engines_share_the_worker_process_only_where_vllm_can(monkeypatch):
     """VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine tests set it: tests/engine_fixtures.py) keeps a job's
-    engines in the worker's process unless the job serves dflash+lookup or two n-gram engines; n-gram's
-    engine then starts last. Driven in vLLM by the engine tests: `served_accepting` (lookup methods
-    before DFlash alone, whose drafts must stay the replay's) and `compare --engine` (plain, n-gram, DFlash)."""
-    from dflash_train.engine.vllm_worker import engine_order, engines_here
+    engines in the worker's process, first, n-gram's last of them; lookup methods and a second n-gram engine
+    start after them in processes of their own. Driven in vLLM by the engine tests: `served_accepting`
+    (lookup methods, then plain, n-gram and DFlash alone, whose drafts must stay the replay's) and
+    `compare --engine` (plain, n-gram, DFlash)."""
+    from dflash_train.engine.vllm_worker import engine_plan
 
     plain, ngram, dflash = {"name": "plain"}, {"name": "ngram", "k": 3}, {"name": "dflash"}
     lookup = {"name": "dflash+lookup", "lookup": "gate"}
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)  # vLLM's default: a process per engine
-    assert not engines_here([plain, dflash])
-    assert engine_order([plain, ngram, dflash], False) == [0, 1, 2]
+    assert engine_plan([plain, ngram, dflash]) == [(0, False), (1, False), (2, False)]
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    assert engines_here([plain, ngram, dflash]) and engine_order([plain, ngram, dflash], True) == [0, 2, 1]
-    assert not engines_here([plain, dflash, lookup])
-    assert not engines_here([ngram, {**ngram, "k": 2}])
+    assert engine_plan([plain, ngram, dflash]) == [(0, True), (2, True), (1, True)]
+    assert engine_plan([lookup, plain, ngram, dflash]) == [(1, True), (3, True), (2, True), (0, False)]
+    assert engine_plan([ngram, {**ngram, "k": 2}, plain]) == [(2, True), (0, True), (1, False)]
 
 
 def _engine_processes(caller: psutil.Process) -> list[psutil.Process]:

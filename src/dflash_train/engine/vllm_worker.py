@@ -22,8 +22,8 @@ records every process it patched (DFLASH_LOOKUP_RECORD); an engine it did not ac
 Engine processes: vLLM's own VLLM_ENABLE_V1_MULTIPROCESSING=0 (set by the caller) keeps the engine core
 and its model in this process: no two spawned interpreters importing vLLM per engine start (a tiny
 model's start: 6 s instead of 55 s on 2 busy cores). The tests use it; the figures in docs/ are the
-default's (separate processes, as `vllm serve` runs). A job it cannot serve that way (`engines_here`:
-lookup methods, two n-gram engines) ignores it.
+default's (separate processes, as `vllm serve` runs). Lookup methods and a second n-gram engine still
+get processes of their own (`engine_plan`).
 """
 from __future__ import annotations
 
@@ -297,22 +297,34 @@ def generate(job: dict) -> dict:
             "finished": [o.outputs[0].finish_reason == "stop" for o in outs], "seconds": seconds}
 
 
-def engines_here(methods: list[dict]) -> bool:
-    """Whether the job's engines run in this process: the caller set vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0
-    and nothing below rules it out (then the variable is set back to 1 before any engine starts).
-    * a lookup method: the plugin is set up once per process (module docstring);
-    * two n-gram engines: vLLM 0.32 cannot start an engine in a process where one drafted n-grams (their
-      numba import leaves llvmlite's library wrapper in sys.modules, which answers every attribute, and
-      the next engine's kernel registration trips on it: triton_utils/dispatcher.py _rebind_kernels,
-      "'_lib_fn_wrapper' object has no attribute 'get'"); one n-gram engine starts last (engine_order)."""
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
-        return False
-    return not any(m.get("lookup") for m in methods) and sum(m["name"] == "ngram" for m in methods) <= 1
+def engine_plan(methods: list[dict]) -> list[tuple[int, bool]]:
+    """(method index, in this process) in the order the job's engines start; the results keep the job's
+    order. With the caller's VLLM_ENABLE_V1_MULTIPROCESSING=0 (vLLM's own switch) a method's engine core
+    and model run in this process first, except:
+    * a lookup method: the plugin is set up once per process (module docstring), so its engines get
+      processes of their own, after the others;
+    * a second n-gram engine: vLLM 0.32 cannot start an engine in a process where one drafted n-grams
+      (their numba import leaves llvmlite's library wrapper in sys.modules, which answers every
+      attribute, and the next engine's kernel registration trips on it: triton_utils/dispatcher.py
+      _rebind_kernels, "'_lib_fn_wrapper' object has no attribute 'get'"), so the one n-gram engine
+      here starts last of this process's, and any other gets a process of its own."""
+    allowed = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    here, apart = [], []
+    for i, m in enumerate(methods):
+        ngram_here = any(methods[j]["name"] == "ngram" for j in here)
+        fits = allowed and not m.get("lookup") and not (m["name"] == "ngram" and ngram_here)
+        (here if fits else apart).append(i)
+    here.sort(key=lambda i: methods[i]["name"] == "ngram")
+    return [(i, True) for i in here] + [(i, False) for i in apart]
 
 
-def engine_order(methods: list[dict], here: bool) -> list[int]:
-    """The order the job's engines start in (the results keep the job's): n-gram's last when `here`."""
-    return sorted(range(len(methods)), key=lambda i: here and methods[i]["name"] == "ngram")
+def engines_apart() -> None:
+    """The engines from now on in processes of their own (vLLM's default). vLLM caches its environment
+    once an engine core has run in this process; the cache is dropped so that the switch is read."""
+    import vllm.envs
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    vllm.envs.disable_envs_cache()
 
 
 def main(job_path: str, result_path: str) -> int:
@@ -330,15 +342,14 @@ def main(job_path: str, result_path: str) -> int:
         else:
             if any(m["name"] != "plain" and "model" in m for m in job["methods"]):
                 check_pair(job)
-            here = engines_here(job["methods"])
-            if not here:
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             if any(m.get("lookup") for m in job["methods"]):
                 check_lookup_plugin()
                 # a fresh interpreter per engine core: loads the plugin with its method's DFLASH_LOOKUP
                 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
             served = {}
-            for i in engine_order(job["methods"], here):
+            for i, here in engine_plan(job["methods"]):
+                if not here:
+                    engines_apart()
                 served[i] = run_method(job, job["methods"][i])
             result["methods"] = [served[i] for i in range(len(job["methods"]))]
     except BaseException as e:  # noqa: BLE001 - reported to the caller as one line + the traceback
