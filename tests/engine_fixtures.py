@@ -46,10 +46,9 @@ class AcceptingExport:
     prompts: list[str]  # prompts it trained on (PROMPTS)
 
 
-# vLLM's own switch (engine/vllm_worker.py): the engine core and its model in the worker's process, an engine
-# start ~6 s instead of ~30-55 s; the worker ignores it for a job with a lookup method, which keeps the
-# served default's processes under test (`served_accepting`, its plain / n-gram / DFlash engines included),
-# and the teardown test (tests/test_engine_teardown.py) does not set it
+# vLLM's own switch (engine/vllm_worker.py engine_plan): the engine core and its model in the worker's process,
+# an engine start ~6 s instead of ~30-55 s; lookup engines still get processes of their own (`served_accepting`
+# runs both kinds in one job), and the teardown test (tests/test_engine_teardown.py) keeps vLLM's default
 IN_PROCESS_ENGINES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 

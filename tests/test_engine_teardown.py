@@ -39,8 +39,8 @@ def test_engines_share_the_worker_process_only_where_vllm_can(monkeypatch):
     """VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine tests set it: tests/engine_fixtures.py) keeps a job's
     engines in the worker's process, first, n-gram's last of them; lookup methods and a second n-gram engine
     start after them in processes of their own. Driven in vLLM by the engine tests: `served_accepting`
-    (lookup methods, then plain, n-gram and DFlash alone, whose drafts must stay the replay's) and
-    `compare --engine` (plain, n-gram, DFlash)."""
+    (plain, n-gram and DFlash alone in the worker's process, whose drafts must stay the replay's, then the
+    lookup methods apart) and `compare --engine` (plain, n-gram, DFlash)."""
     from dflash_train.engine.vllm_worker import engine_plan
 
     plain, ngram, dflash = {"name": "plain"}, {"name": "ngram", "k": 3}, {"name": "dflash"}

@@ -309,10 +309,10 @@ def engine_plan(methods: list[dict]) -> list[tuple[int, bool]]:
       _rebind_kernels, "'_lib_fn_wrapper' object has no attribute 'get'"), so the one n-gram engine
       here starts last of this process's, and any other gets a process of its own."""
     allowed = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-    here, apart = [], []
+    here, apart, ngram_here = [], [], False
     for i, m in enumerate(methods):
-        ngram_here = any(methods[j]["name"] == "ngram" for j in here)
         fits = allowed and not m.get("lookup") and not (m["name"] == "ngram" and ngram_here)
+        ngram_here |= fits and m["name"] == "ngram"
         (here if fits else apart).append(i)
     here.sort(key=lambda i: methods[i]["name"] == "ngram")
     return [(i, True) for i in here] + [(i, False) for i in apart]
