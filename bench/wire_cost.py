@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dflash_train.engine.local_servers import free_port
 
 META = json.dumps({"positions": list(range(1)), "order_state": {"epoch": 0, "position": 1, "seed": 0}}).encode()
 
@@ -57,16 +58,10 @@ def _worker(rank: int, port: int, B: int, T: int, F: int, reps: int, warmup: int
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wire(B: int, T: int, F: int, reps: int, warmup: int = 2) -> list[float]:
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), B, T, F, reps, warmup, q), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), B, T, F, reps, warmup, q), nprocs=2, start_method="spawn")
     return q.get()
 
 

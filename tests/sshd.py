@@ -19,11 +19,12 @@ from __future__ import annotations
 import getpass
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from dflash_train.engine.local_servers import free_port
 
 SSHD = "/usr/sbin/sshd"
 
@@ -47,12 +48,6 @@ def sshd_unavailable() -> str | None:
     if os.geteuid() != 0:
         return "the loopback sshd test server needs root (it logs in as the current user via sshd privilege separation)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_fake_pct(bin_dir: Path) -> Path:

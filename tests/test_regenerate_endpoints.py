@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -244,6 +245,23 @@ def test_two_servers_one_killed_mid_run_every_answer_once_and_equal_to_in_proces
     check_against_in_process(recs, in_process, target)
     by = Counter(r["regenerated"]["engine"] for r in recs)
     assert by[a.url] > by[b.url] > 0, by  # b answered until it died, a took over its work
+
+
+def test_free_port_is_below_the_ephemeral_range_and_free():
+    """CI once lost a server start to "Address already in use": a port-0 pick is also what the kernel
+    hands any other process's port-0 bind or outgoing connection before our server binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports) and len(ports) > 1, ports
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))  # what an engine's own port-0 bind takes
+    try:
+        assert held.getsockname()[1] >= low
+        for p in ports:  # each still binds: nothing else took it
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", p))
+    finally:
+        held.close()
 
 
 def test_bad_or_unreachable_endpoint_or_bad_count_is_one_line(target, data, tmp_path):

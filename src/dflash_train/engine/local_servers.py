@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -77,10 +78,34 @@ def server_command(python: Path, target_dir: Path, port: int, dtype: str, max_mo
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the server started next binds it)."""
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 now, for a server started next to bind.
+
+    Taken below the kernel's ephemeral range: a port from there (what a bind to port 0 gets) is also
+    what the kernel hands to any outgoing connection or to another process's bind to port 0 (vLLM's
+    own engine ports among them) in the seconds before our server binds it, which CI saw as
+    "Address already in use". Below the range only an explicit bind competes, and a random pick makes
+    two of ours meeting there unlikely; the bind here checks that nothing holds it now.
+    """
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    for _ in range(200):
+        port = pick.randrange(max(1024, low - 16384), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the whole band taken: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA range starts at 49152
+        return 49152
 
 
 def _placed(place: dict[str, str]) -> str:
